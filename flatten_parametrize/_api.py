@@ -1,0 +1,151 @@
+"""The public entry points: register, get and remove a module's flat storage."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._flat_parameter import FlatParameter
+from ._grouping import GroupsArg, resolve_groups
+from ._layout import plan_group
+from ._names import STORAGE_ATTR
+from ._storage import FlatStorage, _Slot
+
+__all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
+
+
+def register_flat_storage(module: nn.Module, groups: GroupsArg = None, *, align: int = 1) -> FlatStorage:
+    """Register one contiguous flat storage per group for the parameters of ``module``.
+
+    Each flattened parameter (``layer.weight``, ...) becomes a
+    ``torch.nn.utils.parametrize`` parametrization that returns a view of its
+    group's :class:`FlatParameter`, registered on ``module`` as
+    ``flat_param_<group>``. The module tree, class names and attribute names
+    are unchanged; ``module.parameters()`` yields the flat parameters (and any
+    parameter left out of every group), so an optimizer built from it trains
+    the flattened model. ``state_dict()`` keeps the plain module's keys.
+
+    Args:
+        module: the module whose parameters to flatten.
+        groups: which parameters go into which flat buffer.
+            ``None`` (default): all of them, one group per (device, dtype,
+            requires_grad), named ``"0"``, ``"1"``, ... in first-seen order.
+            A sequence of items: one group ``"0"``. A sequence of sequences:
+            groups ``"0"``, ``"1"``, .... A mapping ``name -> items``: named
+            groups. An item is an ``nn.Parameter`` of ``module``, a submodule
+            (all its parameters) or a ``str`` glob matched against qualified
+            parameter names (``fnmatch`` rules, e.g. ``"*.bias"``).
+        align: every view starts at an element offset that is a multiple of
+            ``align`` (padding is zero and never visible). Default: ``1``.
+
+    Returns:
+        The :class:`FlatStorage` coordinator.
+
+    Raises:
+        TypeError: if ``module``, ``groups``, an item or ``align`` has a wrong type.
+        ValueError: for an empty group, a parameter or module that is not part
+            of ``module``, a pattern that matches nothing, a parameter in two
+            groups, a group mixing dtypes, devices or requires_grad, a bad
+            group name, or ``align < 1``.
+        RuntimeError: if ``module`` (or part of it) already has a flat storage.
+        In every case ``module`` is left exactly as it was.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> storage = register_flat_storage(model, {"weights": ["*.weight"], "biases": ["*.bias"]})
+        >>> [(name, p.numel()) for name, p in model.named_parameters()]
+        [('flat_param_weights', 48), ('flat_param_biases', 10)]
+        >>> model[0].weight.shape, len(model)
+        (torch.Size([8, 4]), 3)
+    """
+    if isinstance(align, bool) or not isinstance(align, int):
+        raise TypeError(f"align must be an int; got {type(align).__name__} {align!r}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1; got {align}")
+    specs = resolve_groups(module, groups)
+    flats: list[FlatParameter] = []
+    layouts = []
+    slots: list[_Slot] = []
+    for g, spec in enumerate(specs):
+        layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
+        first = spec.slots[0].param
+        data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            cursor = 0
+            for segment, size in enumerate(layout.split_sizes):  # zero the padding only
+                if segment not in layout.segments:
+                    data.narrow(0, cursor, size).zero_()
+                cursor += size
+            for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
+                data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
+        flats.append(
+            FlatParameter(
+                data,
+                requires_grad=first.requires_grad,
+                names=[s.name for s in spec.slots],
+                shapes=layout.shapes,
+                numels=layout.numels,
+                offsets=layout.offsets,
+            )
+        )
+        layouts.append(layout)
+        slots += [
+            _Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)
+        ]
+    storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots, align)
+    storage._install()
+    return storage
+
+
+def get_flat_storage(module: nn.Module) -> FlatStorage | None:
+    """Return the flat storage registered on ``module``, or ``None``.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> get_flat_storage(layer) is None
+        True
+        >>> storage = register_flat_storage(layer)
+        >>> get_flat_storage(layer) is storage
+        True
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
+    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+
+
+def remove_flat_storage(module: nn.Module) -> None:
+    """Undo :func:`register_flat_storage`: ordinary parameters holding the current values.
+
+    Each original name is an ``nn.Parameter`` again (the same object as before
+    registration, ties kept, gradients kept), every parametrization, hook and
+    class the library added is gone, and ``state_dict()`` keys are those of
+    the original module. Pending changes of unflattened mode are kept.
+
+    Args:
+        module: the module passed to :func:`register_flat_storage`.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
+        ValueError: if ``module`` has no flat storage.
+        RuntimeError: if unflattened-mode changes cannot be written back (a
+            reassigned parameter of another shape); nothing is changed then.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> weight = layer.weight
+        >>> _ = register_flat_storage(layer)
+        >>> remove_flat_storage(layer)
+        >>> type(layer) is nn.Linear, layer.weight is weight
+        (True, True)
+    """
+    storage = get_flat_storage(module)
+    if storage is None:
+        raise ValueError(
+            f"{type(module).__name__} has no flat storage to remove; pass the module "
+            "given to register_flat_storage"
+        )
+    storage._remove()

@@ -1,0 +1,184 @@
+"""The per-module classes the library injects, and the state each changed module carries.
+
+Like ``torch.nn.utils.parametrize``, every module that gets a flattened
+attribute is given a class of its own: a subclass of its original class with
+the same ``__name__``, holding one property per flattened attribute and the
+few ``nn.Module`` methods that must know about the flat storage (state-dict
+save/load, ``_apply``, ``__deepcopy__``). All of them read the module's own
+:class:`ModuleState`, so a class shared by two modules would still behave.
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
+
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._views import GroupViews, make_property
+
+if TYPE_CHECKING:
+    from ._storage import FlatStorage
+
+__all__ = ["ModuleState", "make_class", "base_of", "clone_class", "add_property"]
+
+_MARKER = "_flat_parametrize_class"
+
+
+@dataclass
+class ModuleState:
+    """What the library keeps on each module it changed (in ``module.__dict__``).
+
+    Attributes:
+        storage: the coordinator that owns the flat buffers.
+        slots: flattened attribute name -> (group views, index in group).
+        order: names of the module's parameters before registration, in order.
+        prev_class: the module's class before registration.
+    """
+
+    storage: FlatStorage
+    order: list[str]
+    prev_class: type
+    slots: dict[str, tuple[GroupViews, int]] = field(default_factory=dict)
+
+
+def base_of(module: nn.Module) -> type:
+    """Return the class just above the library's injected class in ``module``'s MRO."""
+    mro = type(module).__mro__
+    for i, klass in enumerate(mro):
+        if klass.__dict__.get(_MARKER, False):
+            return mro[i + 1]
+    return type(module)
+
+
+def _super(module: nn.Module) -> Any:
+    for klass in type(module).__mro__:
+        if klass.__dict__.get(_MARKER, False):
+            return super(klass, module)
+    raise RuntimeError(f"{type(module).__name__} has no flat_parametrize class")
+
+
+def _state(module: nn.Module) -> ModuleState | None:
+    return module.__dict__.get(MODULE_STATE_ATTR)  # type: ignore[no-any-return]
+
+
+def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
+    from ._state_dict import save_module
+
+    save_module(self, _state(self), _super(self)._save_to_state_dict, destination, prefix, keep_vars)
+
+
+def _load_from_state_dict(
+    self: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    from ._state_dict import load_module
+
+    load_module(
+        self,
+        _state(self),
+        _super(self)._load_from_state_dict,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    )
+
+
+def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    storage = self.__dict__.get(STORAGE_ATTR)
+    base = _super(self).load_state_dict
+    if storage is None:
+        return base(state_dict, strict=strict, assign=assign)
+    return storage._load_state_dict(base, state_dict, strict=strict, assign=assign)
+
+
+def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
+    storage = self.__dict__.get(STORAGE_ATTR)
+    base = _super(self)._apply
+    if storage is None:
+        return base(fn, recurse)  # type: ignore[no-any-return]
+    return storage._apply(base, fn, recurse)
+
+
+def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    found = memo.get(id(self))
+    if found is not None:
+        return found  # type: ignore[no-any-return]
+    base_copy = getattr(base_of(self), "__deepcopy__", None)
+    if base_copy is not None:
+        replica = base_copy(self, memo)
+    else:
+        replica = self.__new__(type(self))
+        memo[id(self)] = replica
+        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
+        for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
+            if hasattr(self, slot):
+                setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
+    # The copy gets a class of its own, so that changing one never changes the other.
+    replica.__class__ = clone_class(type(self))
+    return replica  # type: ignore[no-any-return]
+
+
+def _getstate(self: nn.Module) -> Any:
+    raise RuntimeError(
+        f"cannot pickle {type(self).__name__}: it is part of a flattened module, whose "
+        "classes are generated at registration. Save module.state_dict() (or "
+        "storage.flat_state_dict()) instead, or call remove_flat_storage first"
+    )
+
+
+_METHODS: dict[str, Any] = {
+    _MARKER: True,
+    "_save_to_state_dict": _save_to_state_dict,
+    "_load_from_state_dict": _load_from_state_dict,
+    "load_state_dict": load_state_dict,
+    "_apply": _apply,
+    "__deepcopy__": _deepcopy,
+    "__getstate__": _getstate,
+}
+
+_SKIP = ("__dict__", "__weakref__")
+
+
+def make_class(module: nn.Module) -> type:
+    """Return a new class for ``module``: its own class plus the library's methods.
+
+    A module that ``torch.nn.utils.parametrize`` already gave a class keeps
+    that class's properties (a copy of it is made, since ``copy.deepcopy``
+    shares such classes between copies); ``__bases__[0]`` stays the original
+    class, so ``type_before_parametrizations`` keeps working.
+    """
+    cls = type(module)
+    if is_parametrized(module):
+        namespace = {k: v for k, v in cls.__dict__.items() if k not in _SKIP}
+        bases = cls.__bases__
+    else:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        bases = (cls,)
+    namespace.update(_METHODS)
+    return type(cls.__name__, bases, namespace)
+
+
+def clone_class(cls: type) -> type:
+    """Return a copy of an injected class (same bases, same attributes)."""
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in _SKIP}
+    return type(cls.__name__, cls.__bases__, namespace)
+
+
+def add_property(cls: type, name: str) -> None:
+    """Serve attribute ``name`` of instances of ``cls`` from the flat storage."""
+    setattr(cls, name, make_property(name))

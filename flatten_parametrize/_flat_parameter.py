@@ -1,0 +1,168 @@
+"""``FlatParameter``: the ``nn.Parameter`` that owns one group's flat buffer."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParameter"]
+
+
+class FlatParameter(nn.Parameter):
+    """A one-dimensional ``nn.Parameter`` that stores several tensors back to back.
+
+    One is created per group by :func:`~flatten_parametrize.register_flat_storage`
+    and registered on the module as ``flat_param_<group>``. It carries the
+    layout of its group, so it keeps meaning after ``torch.save`` /
+    ``pickle`` and ``copy.deepcopy``.
+
+    Args:
+        data: the one-dimensional buffer.
+        requires_grad: whether the parameter requires a gradient. Default: ``True``.
+        names: qualified name of each tensor stored in the buffer.
+        shapes: shape of each tensor.
+        numels: element count of each tensor.
+        offsets: element offset of each tensor; packed back to back when omitted.
+
+    Raises:
+        ValueError: if ``data`` is not one-dimensional or the layout does not
+            fit in it.
+
+    Example:
+        >>> flat = FlatParameter(torch.zeros(5), names=["w", "b"],
+        ...                      shapes=[(2, 2), (1,)], numels=[4, 1])
+        >>> flat.metadata()
+        (['w', 'b'], [torch.Size([2, 2]), torch.Size([1])], [4, 1])
+    """
+
+    _names: tuple[str, ...]
+    _shapes: tuple[torch.Size, ...]
+    _numels: tuple[int, ...]
+    _offsets: tuple[int, ...]
+
+    def __new__(
+        cls,
+        data: torch.Tensor | None = None,
+        requires_grad: bool = True,
+        *,
+        names: Sequence[str] = (),
+        shapes: Sequence[Sequence[int]] = (),
+        numels: Sequence[int] = (),
+        offsets: Sequence[int] | None = None,
+    ) -> FlatParameter:
+        if data is None:
+            data = torch.empty(0)
+        if isinstance(data, nn.Parameter):
+            data = data.detach()
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self._set_layout(names, shapes, numels, offsets)
+        return self
+
+    def _set_layout(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        numels: Sequence[int],
+        offsets: Sequence[int] | None,
+    ) -> None:
+        names, numels = tuple(names), tuple(int(n) for n in numels)
+        sizes = tuple(torch.Size(s) for s in shapes)
+        if offsets is None:
+            starts, cursor = [], 0
+            for n in numels:
+                starts.append(cursor)
+                cursor += n
+            offsets = starts
+        offsets = tuple(int(o) for o in offsets)
+        if not len(names) == len(sizes) == len(numels) == len(offsets):
+            raise ValueError(
+                "FlatParameter layout needs one name, shape, numel and offset per tensor; "
+                f"got {len(names)} names, {len(sizes)} shapes, {len(numels)} numels, "
+                f"{len(offsets)} offsets"
+            )
+        if self.dim() != 1:
+            raise ValueError(f"FlatParameter data must be one-dimensional; got shape {tuple(self.shape)}")
+        end = max((o + n for o, n in zip(offsets, numels)), default=0)
+        if end > self.numel():
+            raise ValueError(
+                f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}"
+            )
+        self._names, self._shapes, self._numels, self._offsets = names, sizes, numels, offsets
+
+    def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
+        """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.
+
+        The same triple as fairscale's ``FlatParameter.metadata()``.
+
+        Returns:
+            Three lists, one entry per stored tensor, in buffer order.
+
+        Example:
+            >>> flat = FlatParameter(torch.zeros(3), names=["a"], shapes=[(3,)], numels=[3])
+            >>> names, shapes, numels = flat.metadata()
+            >>> names, numels
+            (['a'], [3])
+        """
+        return list(self._names), list(self._shapes), list(self._numels)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Return the element offset of each stored tensor."""
+        return list(self._offsets)
+
+    def __repr__(self) -> str:
+        return f"FlatParameter({len(self._names)} tensors) containing:\n" + torch.Tensor.__repr__(self)
+
+    def __reduce_ex__(self, proto: Any) -> tuple[Any, ...]:
+        return (
+            _rebuild_flat_parameter,
+            (
+                self.data,
+                self.requires_grad,
+                self._names,
+                tuple(tuple(s) for s in self._shapes),
+                self._numels,
+                self._offsets,
+            ),
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        result = FlatParameter(
+            self.data.clone(memory_format=torch.preserve_format),
+            self.requires_grad,
+            names=self._names,
+            shapes=self._shapes,
+            numels=self._numels,
+            offsets=self._offsets,
+        )
+        memo[id(self)] = result
+        return result
+
+
+def _rebuild_flat_parameter(
+    data: torch.Tensor,
+    requires_grad: bool,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    offsets: Sequence[int],
+) -> FlatParameter:
+    return FlatParameter(
+        data, requires_grad, names=names, shapes=shapes, numels=numels, offsets=offsets
+    )
+
+
+def _as_flat_parameter(tensor: torch.Tensor, template: FlatParameter) -> FlatParameter:
+    """Turn ``tensor`` (a parameter that replaced ``template``) into a FlatParameter in place."""
+    if type(tensor) is not FlatParameter:
+        tensor.__class__ = FlatParameter
+    flat: FlatParameter = tensor  # type: ignore[assignment]
+    flat._set_layout(template._names, template._shapes, template._numels, template._offsets)
+    return flat
+
+
+torch.serialization.add_safe_globals([FlatParameter, _rebuild_flat_parameter])

@@ -1,0 +1,293 @@
+"""Turn the ``groups`` argument of ``register_flat_storage`` into checked group specs.
+
+Reads the module (parameter names, submodules) but changes nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from ._flat_parameter import FlatParameter
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_param_name
+
+__all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "resolve_groups"]
+
+GroupItem = Union[nn.Parameter, nn.Module, str]
+GroupsArg = Union[
+    None, Iterable[GroupItem], Iterable[Iterable[GroupItem]], Mapping[str, Any]
+]
+
+
+@dataclass
+class SlotSpec:
+    """One parameter object and every name under which ``module`` reaches it."""
+
+    param: nn.Parameter
+    names: list[str]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class GroupSpec:
+    """A named group of slots that will share one flat buffer."""
+
+    name: str
+    slots: list[SlotSpec] = field(default_factory=list)
+
+
+def _describe(item: Any) -> str:
+    if isinstance(item, torch.Tensor):
+        return f"{type(item).__name__} of shape {tuple(item.shape)}"
+    if isinstance(item, nn.Module):
+        return f"module {type(item).__name__}"
+    return f"{type(item).__name__} {item!r}"
+
+
+def _is_item(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, nn.Module, str))
+
+
+def _check_not_flattened(module: nn.Module) -> None:
+    for path, sub in module.named_modules(remove_duplicate=False):
+        where = f"'{path}'" if path else "the module itself"
+        if STORAGE_ATTR in sub.__dict__:
+            raise RuntimeError(
+                f"cannot register flat storage: {where} already has one; call "
+                "remove_flat_storage on it first, or use get_flat_storage to reuse it"
+            )
+        state = sub.__dict__.get(MODULE_STATE_ATTR)
+        if state is not None and state.slots:
+            names = ", ".join(f"{path + '.' if path else ''}{n}" for n in state.slots)
+            raise RuntimeError(
+                f"cannot register flat storage: {names} already live in another flat "
+                "storage (registered on an enclosing module); call remove_flat_storage "
+                "on that module first"
+            )
+
+
+def _collect_names(module: nn.Module) -> dict[int, SlotSpec]:
+    slots: dict[int, SlotSpec] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        spec = slots.get(id(param))
+        if spec is None:
+            slots[id(param)] = SlotSpec(param, [name])
+        else:
+            spec.names.append(name)
+    for spec in slots.values():
+        param = spec.param
+        if isinstance(param, FlatParameter):
+            raise RuntimeError(
+                f"cannot flatten '{spec.name}': it is already the flat parameter of "
+                "another flat storage; call remove_flat_storage on the module that owns it"
+            )
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ValueError(
+                f"cannot flatten '{spec.name}': it is an uninitialized (lazy) parameter; "
+                "run one forward pass to materialize lazy modules before registering"
+            )
+        if param.layout != torch.strided:
+            raise ValueError(
+                f"cannot flatten '{spec.name}': only dense (strided) parameters can share a "
+                f"flat buffer, it has layout {param.layout}; leave it out of the groups"
+            )
+    return slots
+
+
+def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
+    """Normalize the four accepted forms into ``[(name, items)]``."""
+    if isinstance(groups, str):
+        raise TypeError(
+            f"groups must be a sequence of items, a sequence of groups or a mapping; got the "
+            f"str {groups!r}; write [{groups!r}] for one group matching that pattern"
+        )
+    if _is_item(groups):
+        raise TypeError(
+            f"groups must be a sequence of items, a sequence of groups or a mapping; got a "
+            f"single {_describe(groups)}; wrap it in a list: [item]"
+        )
+    if isinstance(groups, Mapping):
+        named: list[tuple[str, list[Any]]] = []
+        for key, value in groups.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"group names must be str; got {type(key).__name__} {key!r}; "
+                    "use str keys such as 'decay'"
+                )
+            named.append((key, [value] if _is_item(value) else _as_list(value, f"group '{key}'")))
+        return named
+    entries = _as_list(groups, "groups")
+    nested = [not _is_item(entry) for entry in entries]
+    if entries and all(nested):
+        return [(str(i), _as_list(entry, f"group '{i}'")) for i, entry in enumerate(entries)]
+    if any(nested):
+        bad = entries[nested.index(True)]
+        raise TypeError(
+            "groups mixes single items and nested groups: got "
+            f"{_describe(bad)} beside parameters, modules or patterns; pass either one "
+            "group (a list of items) or a list of groups (a list of lists)"
+        )
+    return [("0", entries)]
+
+
+def _as_list(value: Any, what: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{what} must be an iterable of parameters, modules or name patterns; "
+            f"got {_describe(value)}"
+        )
+    return list(value)
+
+
+def _resolve_items(
+    module: nn.Module,
+    group: str,
+    items: list[Any],
+    by_id: dict[int, SlotSpec],
+    submodules: set[int],
+) -> list[SlotSpec]:
+    found: dict[int, SlotSpec] = {}
+    for index, item in enumerate(items):
+        where = f"item {index} of group '{group}'"
+        if isinstance(item, nn.Parameter):
+            spec = by_id.get(id(item))
+            if spec is None:
+                raise ValueError(
+                    f"{where} is not a parameter of the module: a {_describe(item)} that "
+                    "module.named_parameters() does not yield; pass parameters of the "
+                    "module you register (or of its submodules)"
+                )
+            found.setdefault(id(item), spec)
+        elif isinstance(item, torch.Tensor):
+            raise TypeError(
+                f"{where} is a {_describe(item)}, not an nn.Parameter; pass the module's "
+                "parameters, submodules or name patterns"
+            )
+        elif isinstance(item, nn.Module):
+            if id(item) not in submodules:
+                raise ValueError(
+                    f"{where} is a {_describe(item)} that is not a submodule of the module; "
+                    "pass submodules of the module you register"
+                )
+            for param in item.parameters():
+                found.setdefault(id(param), by_id[id(param)])
+        elif isinstance(item, str):
+            matched = [
+                spec for spec in by_id.values() if any(fnmatch.fnmatchcase(n, item) for n in spec.names)
+            ]
+            if not matched:
+                raise ValueError(
+                    f"{where}: pattern {item!r} matches no parameter name; "
+                    f"names look like {_some_names(by_id)}"
+                )
+            for spec in matched:
+                found.setdefault(id(spec.param), spec)
+        else:
+            raise TypeError(
+                f"{where} must be an nn.Parameter, an nn.Module or a str pattern; "
+                f"got {_describe(item)}"
+            )
+    return list(found.values())
+
+
+def _some_names(by_id: dict[int, SlotSpec]) -> str:
+    names = [spec.name for spec in by_id.values()]
+    shown = ", ".join(repr(n) for n in names[:4])
+    return shown + (", ..." if len(names) > 4 else "") if names else "(the module has no parameters)"
+
+
+def _key(param: torch.Tensor) -> tuple[torch.device, torch.dtype, bool]:
+    return (param.device, param.dtype, param.requires_grad)
+
+
+def _check_uniform(group: GroupSpec) -> None:
+    first = group.slots[0]
+    for slot in group.slots[1:]:
+        for what, attr, hint in (
+            ("dtypes", "dtype", "dtype"),
+            ("devices", "device", "device"),
+            ("requires_grad", "requires_grad", "requires_grad"),
+        ):
+            a, b = getattr(first.param, attr), getattr(slot.param, attr)
+            if a != b:
+                show = (lambda v: str(v).replace("torch.", "")) if attr == "dtype" else str
+                raise ValueError(
+                    f"group '{group.name}' mixes {what}: {first.name} is {show(a)}, "
+                    f"{slot.name} is {show(b)}; put them in separate groups or leave "
+                    f"groups=None to group by {hint} automatically"
+                )
+
+
+def _check_group_name(module: nn.Module, name: str) -> None:
+    attr = flat_param_name(name)
+    if not name or not attr.isidentifier():
+        raise ValueError(
+            f"group name {name!r} cannot name a parameter ('{attr}'); use letters, "
+            "digits and underscores, e.g. 'decay'"
+        )
+    if hasattr(module, attr):
+        raise ValueError(
+            f"group name {name!r} would register '{attr}', which the module already has; "
+            "choose another group name"
+        )
+
+
+def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
+    """Check ``groups`` against ``module`` and return one spec per group, in order.
+
+    Raises:
+        TypeError: for a wrong type of ``module``, ``groups`` or an item.
+        ValueError: for an empty group, a foreign parameter or module, a pattern
+            that matches nothing, a parameter in two groups, a group that mixes
+            dtypes, devices or requires_grad, or a bad group name.
+        RuntimeError: if part of ``module`` already lives in a flat storage.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"register_flat_storage needs an nn.Module; got {type(module).__name__}"
+        )
+    _check_not_flattened(module)
+    by_id = _collect_names(module)
+    if groups is None:
+        auto: dict[tuple[torch.device, torch.dtype, bool], GroupSpec] = {}
+        for spec in by_id.values():
+            key = _key(spec.param)
+            if key not in auto:
+                auto[key] = GroupSpec(str(len(auto)))
+            auto[key].slots.append(spec)
+        specs = list(auto.values())
+    else:
+        submodules = {id(m) for m in module.modules()}
+        specs = []
+        owner: dict[int, str] = {}
+        for name, items in _split_groups(groups):
+            if any(g.name == name for g in specs):
+                raise ValueError(
+                    f"duplicate group name {name!r}; give every group its own name"
+                )
+            group = GroupSpec(name, _resolve_items(module, name, items, by_id, submodules))
+            if not group.slots:
+                raise ValueError(
+                    f"group '{name}' is empty: its items name no parameter; remove the "
+                    "group or give it parameters, modules or patterns that match"
+                )
+            for slot in group.slots:
+                other = owner.setdefault(id(slot.param), name)
+                if other != name:
+                    raise ValueError(
+                        f"parameter {slot.name} is in two groups, '{other}' and '{name}'; "
+                        "a parameter can live in one flat buffer only"
+                    )
+            _check_uniform(group)
+            specs.append(group)
+    for group in specs:
+        _check_group_name(module, group.name)
+    return specs

@@ -1,0 +1,113 @@
+"""Inspection for terminals and notebooks: repr, summary table, HTML."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._storage import FlatStorage
+
+__all__ = ["storage_repr", "summary_table", "storage_html", "format_bytes"]
+
+_COLUMNS = ("name", "group", "offset", "numel", "shape", "dtype")
+_RIGHT = {"offset", "numel"}
+_REPR_ROWS = 12
+
+
+def format_bytes(count: int) -> str:
+    """Return ``count`` bytes in binary units, e.g. ``'3.8 MiB'``."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _dtype(dtype: object) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _rows(storage: FlatStorage) -> list[tuple[str, ...]]:
+    rows = []
+    for info in storage.param_infos:
+        name = info.name + (f" (= {', '.join(info.aliases)})" if info.aliases else "")
+        rows.append(
+            (name, info.group, str(info.offset), str(info.numel), str(tuple(info.shape)), _dtype(info.dtype))
+        )
+    return rows
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(_COLUMNS)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            cell.rjust(w) if col in _RIGHT and cells is not _COLUMNS else cell.ljust(w)
+            for cell, w, col in zip(cells, widths, _COLUMNS)
+        ).rstrip()
+
+    return [line(_COLUMNS), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _group_lines(storage: FlatStorage) -> list[str]:
+    lines = []
+    for name, flat, views in zip(storage._group_names, storage._flat, storage._views):
+        count = len(views.layout.numels)
+        lines.append(
+            f"  group {name!r}: {count} tensor{'s' if count != 1 else ''}, "
+            f"{flat.numel():,} elements ({format_bytes(flat.numel() * flat.element_size())}), "
+            f"{_dtype(flat.dtype)} on {flat.device}, requires_grad={flat.requires_grad}"
+            + (f", padding {views.layout.padding:,}" if views.layout.padding else "")
+        )
+    return lines
+
+
+def _header(storage: FlatStorage) -> str:
+    module = storage._root_ref()
+    owner = type(module).__name__ if module is not None else "(collected module)"
+    total = sum(f.numel() * f.element_size() for f in storage._flat)
+    mode = "flattened" if storage.is_flattened else "unflattened"
+    return (
+        f"FlatStorage of {owner}: {len(storage._group_names)} group"
+        f"{'s' if len(storage._group_names) != 1 else ''}, {len(storage._slots)} tensors, "
+        f"{format_bytes(total)}, {mode}"
+    )
+
+
+def summary_table(storage: FlatStorage) -> str:
+    """Return the full table of slots as text."""
+    return "\n".join(_table(_rows(storage)))
+
+
+def storage_repr(storage: FlatStorage) -> str:
+    """Return a one-screen description: groups, then the first rows of the table."""
+    rows = _rows(storage)
+    lines = [_header(storage), *_group_lines(storage)]
+    if rows:
+        shown = _table(rows[:_REPR_ROWS])
+        lines += ["  " + line for line in shown]
+        if len(rows) > _REPR_ROWS:
+            lines.append(f"  ... {len(rows) - _REPR_ROWS} more (storage.summary() lists all)")
+    return "\n".join(lines)
+
+
+def storage_html(storage: FlatStorage) -> str:
+    """Return the header, groups and full table as an HTML fragment."""
+    esc = html.escape
+    head = "".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td style="text-align:{"right" if col in _RIGHT else "left"}">{esc(cell)}</td>'
+            for cell, col in zip(row, _COLUMNS)
+        )
+        + "</tr>"
+        for row in _rows(storage)
+    )
+    groups = "".join(f"<li>{esc(line.strip())}</li>" for line in _group_lines(storage))
+    return (
+        f"<div><p><b>{esc(_header(storage))}</b></p><ul>{groups}</ul>"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )

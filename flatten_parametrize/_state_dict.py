@@ -1,0 +1,294 @@
+"""State dicts: the unflattened form with the plain module's keys, the flat form, and staged loading.
+
+Saving: each changed module emits its flattened attributes at their original
+position (zero copy, views of the flat buffer); the registered module drops
+its ``flat_param_*`` entries.
+
+Loading: the registered module first turns a flat-form dict into the
+unflattened form (after checking its layout record); then each module runs
+torch's own ``_load_from_state_dict`` with a *staging* parameter in place of
+each flattened attribute. Staging parameters record what torch would copy
+instead of copying, so that the registered module's ``load_state_dict`` can
+commit every value after torch has checked everything (atomic loading).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from ._names import STORAGE_ATTR, flat_layout_name
+
+if TYPE_CHECKING:
+    from ._classes import ModuleState
+    from ._storage import FlatStorage
+
+__all__ = ["save_module", "load_module", "layout_record", "StagingSlot"]
+
+_FORMAT = 1
+
+
+class StagingSlot(nn.Parameter):
+    """Stands in for a flattened attribute while torch loads a state dict.
+
+    It shares memory with the slot's view (so shape, dtype, device and
+    ``is_meta`` are right) but ``copy_`` and ``module_load`` only record the
+    source; the owner commits it later.
+    """
+
+    _source: Tensor | None
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (Tensor.copy_, Tensor.module_load) and isinstance(args[0], StagingSlot):
+            target, source = args[0], args[1]
+            if not isinstance(source, Tensor):
+                raise TypeError(f"expected a Tensor to load, got {type(source).__name__}")
+            if source.is_meta and not target.is_meta:
+                raise NotImplementedError("Cannot copy out of meta tensor; it holds no values")
+            target._source = source
+            return target if func is Tensor.copy_ else source.detach()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _staging(view: Tensor, requires_grad: bool) -> StagingSlot:
+    slot = torch.Tensor._make_subclass(StagingSlot, view.detach(), requires_grad)
+    slot._source = None
+    return slot  # type: ignore[no-any-return]
+
+
+def _root_storage(module: nn.Module) -> FlatStorage | None:
+    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+
+
+def save_module(
+    module: nn.Module,
+    state: ModuleState | None,
+    base_save: Callable[[Any, str, bool], None],
+    destination: Any,
+    prefix: str,
+    keep_vars: bool,
+) -> None:
+    """Save ``module``'s own entries in the plain module's keys and order."""
+    if state is None or not state.storage.is_flattened:
+        base_save(destination, prefix, keep_vars)
+        return
+    own: OrderedDict[str, Any] = OrderedDict()
+    base_save(own, prefix, keep_vars)
+    root = _root_storage(module)
+    if root is not None:
+        for name in root._flat_names:
+            own.pop(prefix + name, None)
+    for name in state.order:
+        key = prefix + name
+        slot = state.slots.get(name)
+        if slot is not None:
+            view = slot[0].view(slot[1])
+            destination[key] = view if keep_vars else view.detach()
+        elif key in own:
+            destination[key] = own.pop(key)
+    destination.update(own)
+
+
+def load_module(
+    module: nn.Module,
+    state: ModuleState | None,
+    base_load: Callable[..., None],
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load ``module``'s own entries, staging the flattened ones."""
+    args = (state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    root = _root_storage(module)
+    if root is not None:
+        unflatten_flat_form(root, state_dict, prefix)
+    if state is None or not state.storage.is_flattened:
+        base_load(*args)
+        return
+    params = module._parameters
+    saved = list(params.items())
+    hidden = set(root._flat_names) if root is not None else set()
+    staged: dict[str, StagingSlot] = {}
+    try:
+        params.clear()
+        by_name = dict(saved)
+        for name in state.order:
+            slot = state.slots.get(name)
+            if slot is not None:
+                group, index = slot
+                staged[name] = params[name] = _staging(
+                    group.view(index), group.current().requires_grad
+                )
+            elif name in by_name:
+                params[name] = by_name.pop(name)
+        for name, value in by_name.items():
+            if name not in hidden:
+                params[name] = value
+        base_load(*args)
+        loaded = []
+        for name, placeholder in staged.items():
+            current = params.get(name)
+            if current is placeholder and type(current) is StagingSlot:
+                source = placeholder._source
+            else:  # assign=True replaced it, or the swap path changed it in place
+                source = current
+            if source is not None:
+                group, index = state.slots[name]
+                loaded.append((group, index, source))
+    finally:
+        kept = {name: value for name, value in params.items() if name not in staged}
+        params.clear()
+        for name, value in saved:
+            params[name] = kept.pop(name, value)
+        params.update(kept)
+    state.storage._stage(loaded)
+
+
+def layout_record(storage: FlatStorage, group: int) -> Tensor:
+    """Return the layout record of ``group`` as a uint8 tensor (UTF-8 JSON)."""
+    data = json.dumps(_layout_dict(storage, group), separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _layout_dict(storage: FlatStorage, group: int) -> dict[str, Any]:
+    views = storage._views[group]
+    return {
+        "format": _FORMAT,
+        "group": storage._group_names[group],
+        "numel": views.layout.numel,
+        "slots": [
+            [slot.name, list(slot.aliases), views.layout.offsets[slot.index], list(views.layout.shapes[slot.index])]
+            for slot in storage._slots
+            if slot.group == group
+        ],
+    }
+
+
+def _read_record(record: Any, key: str) -> dict[str, Any]:
+    try:
+        if not isinstance(record, Tensor) or record.dtype != torch.uint8 or record.dim() != 1:
+            raise ValueError
+        loaded = json.loads(bytes(record.tolist()).decode())
+        if not isinstance(loaded, dict):
+            raise ValueError
+        return loaded
+    except ValueError:
+        raise ValueError(
+            f"flat state dict entry '{key}' is not a layout record (a uint8 tensor written by "
+            "storage.flat_state_dict()); got "
+            f"{type(record).__name__ if not isinstance(record, Tensor) else f'a {record.dtype} tensor'}"
+        ) from None
+
+
+def _first_difference(expected: dict[str, Any], found: dict[str, Any]) -> str:
+    if expected.get("numel") != found.get("numel"):
+        return f"the buffer holds {found.get('numel')} elements, here {expected['numel']}"
+    ours, theirs = expected["slots"], found.get("slots", [])
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return (
+                f"slot {i} is {b[0]} at offset {b[2]} with shape {tuple(b[3])} in the checkpoint, "
+                f"{a[0]} at offset {a[2]} with shape {tuple(a[3])} here"
+            )
+    return f"the checkpoint has {len(theirs)} tensors, here {len(ours)}"
+
+
+def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix: str) -> None:
+    """Replace the flat entries of ``state_dict`` (in place) by views under the original names.
+
+    Raises:
+        ValueError: if the dict mixes both forms, a layout record is missing
+            or differs from this storage's layout, or a flat tensor has the
+            wrong size.
+        TypeError: if a flat entry is not a tensor.
+    """
+    index = {prefix + name: g for g, name in enumerate(storage._flat_names)}
+    ours = [k for k in index if k in state_dict]
+    if not ours:
+        return
+    original = next((prefix + n for s in storage._slots for n in s.all_names if prefix + n in state_dict), None)
+    if original is not None:
+        raise ValueError(
+            f"state dict mixes the flat form ('{ours[0]}') and the unflattened form "
+            f"('{original}') for one flat storage; load one form: module.state_dict() "
+            "or storage.flat_state_dict()"
+        )
+    for key in ours:
+        group = index[key]
+        gname = storage._group_names[group]
+        record_key = prefix + flat_layout_name(gname)
+        flat = state_dict[key]
+        if not isinstance(flat, Tensor):
+            raise TypeError(
+                f"flat state dict entry '{key}' must be a tensor; got {type(flat).__name__}"
+            )
+        if record_key not in state_dict:
+            raise ValueError(
+                f"flat state dict entry '{key}' comes without its layout record '{record_key}', "
+                "so it cannot be checked against this layout; write flat checkpoints with "
+                "storage.flat_state_dict(), or load the unflattened form"
+            )
+        expected = _layout_dict(storage, group)
+        found = _read_record(state_dict[record_key], record_key)
+        if found.get("numel") != expected["numel"] or found.get("slots") != expected["slots"]:
+            raise ValueError(
+                f"flat state dict for group '{gname}' was written for another layout: "
+                f"{_first_difference(expected, found)}; load the unflattened form "
+                "(module.state_dict()) instead, or register with the same groups and align"
+            )
+        numel = storage._views[group].layout.numel
+        if flat.shape != (numel,):
+            raise ValueError(
+                f"flat state dict entry '{key}' has shape {tuple(flat.shape)}; group "
+                f"'{gname}' needs a one-dimensional tensor of {numel} elements"
+            )
+    for key in ours:
+        group = index[key]
+        flat = state_dict.pop(key)
+        state_dict.pop(prefix + flat_layout_name(storage._group_names[group]))
+        views = storage._views[group].split(flat)
+        for slot in storage._slots:
+            if slot.group == group:
+                for name in slot.all_names:
+                    state_dict[prefix + name] = views[slot.index]
+
+
+class Snapshot:
+    """The parameters and buffers of a module tree outside the flat buffers, for rollback.
+
+    Records each module's ``_parameters`` and ``_buffers`` entries (so that
+    ``assign=True`` can be undone) and a copy of each tensor's values.
+    """
+
+    def __init__(self, root: nn.Module, skip: set[int]) -> None:
+        self._entries: list[tuple[nn.Module, dict[str, Any], dict[str, Any]]] = []
+        self._values: dict[int, tuple[Tensor, Tensor]] = {}
+        with torch.no_grad():
+            for module in root.modules():
+                params, buffers = dict(module._parameters), dict(module._buffers)
+                self._entries.append((module, params, buffers))
+                for tensor in (*params.values(), *buffers.values()):
+                    if isinstance(tensor, Tensor) and id(tensor) not in skip:
+                        self._values.setdefault(id(tensor), (tensor, tensor.detach().clone()))
+
+    def restore(self) -> None:
+        """Put every entry and value back."""
+        for module, params, buffers in self._entries:
+            module._parameters.clear()
+            module._parameters.update(params)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+        with torch.no_grad():
+            for tensor, value in self._values.values():
+                if tensor.shape == value.shape:
+                    tensor.copy_(value)

@@ -1,0 +1,833 @@
+"""``FlatStorage``: the coordinator that owns the flat buffers of one module."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._classes import _METHODS, ModuleState, add_property, make_class
+from ._flat_parameter import FlatParameter, _as_flat_parameter
+from ._layout import GroupLayout
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
+from ._state_dict import Snapshot, layout_record
+from ._views import GroupViews, HiddenParametrizations, register_view, same_memory
+
+__all__ = ["FlatStorage", "ParamInfo", "FlatTensors"]
+
+#: One tensor per group: a list in group order, a dict by group name, or (for a
+#: storage with one group) a single tensor.
+FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one flattened parameter lives.
+
+    Attributes:
+        name: qualified name, relative to the registered module.
+        aliases: the other names of a tied parameter (empty if not tied).
+        group: name of the group whose flat buffer holds it.
+        offset: element offset in that buffer.
+        numel: number of elements.
+        shape: shape of the parameter.
+        dtype: dtype of the buffer.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    group: str
+    offset: int
+    numel: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class _Slot:
+    name: str
+    aliases: tuple[str, ...]
+    group: int
+    index: int
+    param: nn.Parameter
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+
+def _locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, str]:
+    path, _, attr = qualified.rpartition(".")
+    return modules[path], attr
+
+
+def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
+    """Put the keys of ``params`` in ``order`` (unknown keys last), keeping the dict object."""
+    items = dict(params)
+    params.clear()
+    for name in order:
+        if name in items:
+            params[name] = items.pop(name)
+    params.update(items)
+
+
+class FlatStorage:
+    """The coordinator of a module's flat parameters, returned by ``register_flat_storage``.
+
+    It owns one :class:`FlatParameter` per group (registered on the module as
+    ``flat_param_<group>``), serves every flattened attribute as a view of it,
+    and switches between flat and unflattened mode. It holds the module weakly.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from flatten_parametrize import register_flat_storage
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> storage = register_flat_storage(model)
+        >>> storage.group_names, storage["0"].numel()
+        (['0'], 26)
+        >>> [name for name, _ in model.named_parameters()]
+        ['flat_param_0']
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group_names: Sequence[str],
+        flats: Sequence[FlatParameter],
+        layouts: Sequence[GroupLayout],
+        slots: Sequence[_Slot],
+        align: int,
+    ) -> None:
+        self._root_ref = weakref.ref(module)
+        self._group_names = list(group_names)
+        self._flat_names = [flat_param_name(g) for g in group_names]
+        self._flat = list(flats)
+        self._views = [
+            GroupViews(module._parameters, name, layout)
+            for name, layout in zip(self._flat_names, layouts)
+        ]
+        self._slots = list(slots)
+        self._align = align
+        self._flattened = True
+        self._using = 0
+        self._pending: list[tuple[GroupViews, int, Tensor]] | None = None
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def module(self) -> nn.Module:
+        """Return the registered module.
+
+        Raises:
+            RuntimeError: if the module was garbage collected or the storage removed.
+        """
+        module = self._root_ref()
+        if module is None or module.__dict__.get(STORAGE_ATTR) is not self:
+            raise RuntimeError(
+                "this flat storage is detached: its module was garbage collected or "
+                "remove_flat_storage was called; use get_flat_storage(module) for the current one"
+            )
+        return module
+
+    @property
+    def flat_params(self) -> list[FlatParameter]:
+        """Return the flat parameters, one per group, in group order."""
+        return list(self._flat)
+
+    @property
+    def group_names(self) -> list[str]:
+        """Return the group names, in group order."""
+        return list(self._group_names)
+
+    def __getitem__(self, group: str) -> FlatParameter:
+        """Return the flat parameter of ``group``.
+
+        Raises:
+            KeyError: if there is no such group.
+        """
+        try:
+            return self._flat[self._group_names.index(group)]
+        except ValueError:
+            raise KeyError(
+                f"no group {group!r} in this flat storage; groups are {self._group_names}"
+            ) from None
+
+    def __len__(self) -> int:
+        return len(self._group_names)
+
+    @property
+    def param_infos(self) -> list[ParamInfo]:
+        """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
+        return [
+            ParamInfo(
+                name=slot.name,
+                aliases=slot.aliases,
+                group=self._group_names[slot.group],
+                offset=self._views[slot.group].layout.offsets[slot.index],
+                numel=self._views[slot.group].layout.numels[slot.index],
+                shape=torch.Size(self._views[slot.group].layout.shapes[slot.index]),
+                dtype=self._flat[slot.group].dtype,
+            )
+            for slot in self._slots
+        ]
+
+    @property
+    def is_flattened(self) -> bool:
+        """Return whether the module is in flat mode (attributes are views)."""
+        return self._flattened
+
+    # ------------------------------------------------------------------- views
+    def _modules(self) -> dict[str, nn.Module]:
+        return dict(self.module.named_modules(remove_duplicate=False))
+
+    def _names(self, slot: _Slot, remove_duplicate: bool) -> tuple[str, ...]:
+        return (slot.name,) if remove_duplicate else slot.all_names
+
+    def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(name, tensor)`` for every flattened parameter, as the module serves it.
+
+        In flat mode the tensors are views of the flat storage currently in use
+        (the flat parameters, or the tensors given to :meth:`using`); in
+        unflattened mode they are the leaf parameters.
+
+        Args:
+            remove_duplicate: yield a tied parameter once, under its first
+                name (as ``named_parameters`` does). Default: ``True``.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 3)
+            >>> storage = register_flat_storage(layer)
+            >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
+            [('weight', (3, 2)), ('bias', (3,))]
+        """
+        modules = self._modules()
+        for slot in self._slots:
+            for name in self._names(slot, remove_duplicate):
+                owner, attr = _locate(modules, name)
+                yield name, getattr(owner, attr)
+
+    def named_grads(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor | None]]:
+        """Yield ``(name, gradient)`` for every flattened parameter.
+
+        In flat mode each gradient is a view of its flat parameter's ``.grad``
+        (``None`` while that is ``None``); in unflattened mode it is the leaf
+        parameter's ``.grad``.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 1)
+            >>> storage = register_flat_storage(layer)
+            >>> layer(torch.ones(1, 2)).sum().backward()
+            >>> dict(storage.named_grads())["bias"]
+            tensor([1.])
+        """
+        if not self._flattened:
+            for name, param in self.named_views(remove_duplicate):
+                yield name, param.grad
+            return
+        grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
+        for slot in self._slots:
+            split = grads[slot.group]
+            for name in self._names(slot, remove_duplicate):
+                yield name, None if split is None else split[slot.index]
+
+    def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
+        groups = self._group_names
+        if isinstance(tensors, Tensor):
+            if len(groups) != 1:
+                raise TypeError(
+                    f"{what} got a single tensor but this storage has {len(groups)} groups "
+                    f"{groups}; pass a list in group order or a dict by group name"
+                )
+            items = [tensors]
+        elif isinstance(tensors, Mapping):
+            missing = [g for g in groups if g not in tensors]
+            unknown = [k for k in tensors if k not in groups]
+            if missing or unknown:
+                raise ValueError(
+                    f"{what} needs one tensor per group {groups}; missing {missing}, "
+                    f"unknown {unknown}"
+                )
+            items = [tensors[g] for g in groups]
+        elif isinstance(tensors, Sequence) and not isinstance(tensors, (str, bytes)):
+            items = list(tensors)
+            if len(items) != len(groups):
+                raise ValueError(
+                    f"{what} needs one tensor per group ({len(groups)}: {groups}); "
+                    f"got {len(items)}"
+                )
+        else:
+            raise TypeError(
+                f"{what} takes a list of tensors in group order or a dict by group name; "
+                f"got {type(tensors).__name__}"
+            )
+        for group, item, flat in zip(groups, items, self._flat):
+            if not isinstance(item, Tensor):
+                raise TypeError(
+                    f"{what}: the entry for group '{group}' must be a Tensor; got "
+                    f"{type(item).__name__}"
+                )
+            if item.shape != flat.shape:
+                raise ValueError(
+                    f"{what}: group '{group}' needs a one-dimensional tensor of "
+                    f"{flat.numel()} elements; got shape {tuple(item.shape)}"
+                )
+            if exact and (item.dtype != flat.dtype or item.device != flat.device):
+                raise ValueError(
+                    f"{what}: group '{group}' needs a {flat.dtype} tensor on {flat.device}; "
+                    f"got {item.dtype} on {item.device}; convert it with "
+                    f".to(device={str(flat.device)!r}, dtype={flat.dtype})"
+                )
+        return items
+
+    def views_of(self, tensors: FlatTensors, remove_duplicate: bool = True) -> dict[str, Tensor]:
+        """Return ``{name: view}`` over tensors shaped like the flat parameters.
+
+        Useful for anything kept per flat parameter: an optimizer's
+        ``exp_avg``, an EMA copy, a gradient. Views share memory with (and
+        carry autograd from) the given tensors; dtypes and devices may differ.
+
+        Args:
+            tensors: one tensor per group: a list in group order, a dict by
+                group name, or a single tensor when there is one group.
+            remove_duplicate: list a tied parameter once. Default: ``True``.
+
+        Returns:
+            A dict from parameter name to view.
+
+        Raises:
+            TypeError: if ``tensors`` or an entry has a wrong type.
+            ValueError: if the count, group names or sizes do not match.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 3)
+            >>> storage = register_flat_storage(layer)
+            >>> ema = storage["0"].detach().clone()
+            >>> {k: tuple(v.shape) for k, v in storage.views_of([ema]).items()}
+            {'weight': (3, 2), 'bias': (3,)}
+        """
+        items = self._per_group(tensors, "views_of()", exact=False)
+        splits = [views.split(t) for views, t in zip(self._views, items)]
+        return {
+            name: splits[slot.group][slot.index]
+            for slot in self._slots
+            for name in self._names(slot, remove_duplicate)
+        }
+
+    # ------------------------------------------------------------ mode toggles
+    def _current_params(self, modules: dict[str, nn.Module]) -> list[nn.Parameter]:
+        """Return the parameter each slot holds in unflattened mode, after checking it."""
+        current = []
+        for slot in self._slots:
+            found: list[Any] = []
+            shape = self._views[slot.group].layout.shapes[slot.index]
+            for name in slot.all_names:
+                owner, attr = _locate(modules, name)
+                param = owner._parameters.get(attr)
+                if not isinstance(param, Tensor):
+                    raise RuntimeError(
+                        f"cannot flatten: {name} is {type(param).__name__}, not a parameter; "
+                        "assign an nn.Parameter of its shape before flattening"
+                    )
+                if tuple(param.shape) != shape:
+                    raise RuntimeError(
+                        f"cannot flatten: {name} has shape {tuple(param.shape)} but its slot "
+                        f"in the flat storage holds {shape}; assign a parameter of shape {shape}"
+                    )
+                if found and param is not found[0]:
+                    raise RuntimeError(
+                        f"cannot flatten: tied parameter {slot.name} and {name} were "
+                        "reassigned separately and no longer share one tensor; assign the "
+                        "same nn.Parameter to every name of a tied parameter"
+                    )
+                found.append(param)
+            current.append(found[0])
+        return current
+
+    def flatten(self) -> None:
+        """Switch to flat mode: attributes become views of the flat buffers again.
+
+        Values, ``.data`` swaps, reassigned same-shaped parameters and
+        gradients set in unflattened mode are written into the flat buffers
+        (a slot whose ``.grad`` is ``None`` while others have one gets zeros).
+        Does nothing in flat mode.
+
+        Raises:
+            RuntimeError: if a parameter was reassigned with another shape, set
+                to ``None``, or a tie was broken; the module is left unchanged.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 2)
+            >>> storage = register_flat_storage(layer)
+            >>> storage.unflatten(); storage.flatten()
+            >>> storage.is_flattened
+            True
+        """
+        if self._flattened:
+            return
+        root = self.module
+        modules = self._modules()
+        current = self._current_params(modules)
+        new_grads: list[Tensor | None] = []
+        with torch.no_grad():
+            for g, (flat, views) in enumerate(zip(self._flat, self._views)):
+                members = [(slot, current[i]) for i, slot in enumerate(self._slots) if slot.group == g]
+                targets = views.split(flat.detach())
+                for slot, param in members:
+                    if not same_memory(param, targets[slot.index]):
+                        targets[slot.index].copy_(param.detach())
+                grads = [param.grad for _, param in members]
+                flat_grad = flat.grad
+                if all(grad is None for grad in grads):
+                    flat_grad = None
+                else:
+                    if flat_grad is None:
+                        flat_grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+                    grad_targets = views.split(flat_grad)
+                    for (slot, _), grad in zip(members, grads):
+                        target = grad_targets[slot.index]
+                        if grad is None:
+                            target.zero_()
+                        elif not same_memory(grad, target):
+                            target.copy_(grad)
+                new_grads.append(flat_grad)
+        # Commit: dictionary updates only, nothing below can fail.
+        for flat, grad in zip(self._flat, new_grads):
+            flat.grad = grad
+        for i, slot in enumerate(self._slots):
+            param = current[i]
+            param.grad = None
+            slot.param = param
+            for name in slot.all_names:
+                owner, attr = _locate(modules, name)
+                owner._parameters.pop(attr, None)
+        for name, flat in zip(self._flat_names, self._flat):
+            root._parameters[name] = flat
+        self._flattened = True
+        self._refresh_originals()
+
+    def unflatten(self) -> None:
+        """Switch to unflattened mode: every attribute is a real leaf ``nn.Parameter``.
+
+        The parameters share memory with the flat buffers (no copy) and their
+        ``.grad`` are views of the flat gradients when those exist;
+        ``module.parameters()`` yields them instead of the flat parameters.
+        Does nothing in unflattened mode.
+
+        Raises:
+            RuntimeError: inside :meth:`using`.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 2)
+            >>> storage = register_flat_storage(layer)
+            >>> storage.unflatten()
+            >>> [name for name, _ in layer.named_parameters()]
+            ['weight', 'bias']
+        """
+        if not self._flattened:
+            return
+        if self._using:
+            raise RuntimeError(
+                "cannot unflatten inside storage.using(...): the views are served from the "
+                "given tensors; leave the using() block first"
+            )
+        root = self.module
+        modules = self._modules()
+        self._refresh_originals()
+        for slot in self._slots:
+            flat = self._flat[slot.group]
+            slot.param.requires_grad_(flat.requires_grad)
+        for flat, views in zip(self._flat, self._views):
+            if flat.grad is not None:
+                grads = views.split(flat.grad)
+                for slot in self._slots:
+                    if views is self._views[slot.group]:
+                        slot.param.grad = grads[slot.index]
+        for name in self._flat_names:
+            root._parameters.pop(name, None)
+        touched = {}
+        for slot in self._slots:
+            for name in slot.all_names:
+                owner, attr = _locate(modules, name)
+                owner._parameters[attr] = slot.param
+                touched[id(owner)] = owner
+        for owner in touched.values():
+            _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)
+        self._flattened = False
+        self._invalidate()
+
+    @contextmanager
+    def unflattened(self) -> Iterator[FlatStorage]:
+        """Run a block in unflattened mode, then restore the previous mode (also on error).
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 2)
+            >>> storage = register_flat_storage(layer)
+            >>> with storage.unflattened():
+            ...     isinstance(layer.weight, nn.Parameter)
+            True
+            >>> isinstance(layer.weight, nn.Parameter)
+            False
+        """
+        was_flat = self._flattened
+        self.unflatten()
+        try:
+            yield self
+        finally:
+            if was_flat:
+                self.flatten()
+
+    @contextmanager
+    def using(self, flat_tensors: FlatTensors) -> Iterator[FlatStorage]:
+        """Serve every view from ``flat_tensors`` instead of the flat parameters.
+
+        Autograd flows into the given tensors (functional calls,
+        hypernetworks, evaluating an EMA copy). The substitution is visible to
+        all threads, as with ``torch.func.functional_call``.
+
+        Args:
+            flat_tensors: one tensor per group, each of its flat parameter's
+                shape, dtype and device: a list in group order, a dict by
+                group name, or a single tensor when there is one group.
+
+        Raises:
+            TypeError: if ``flat_tensors`` or an entry has a wrong type.
+            ValueError: if the count, group names, sizes, dtypes or devices
+                do not match.
+            RuntimeError: in unflattened mode.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 1)
+            >>> storage = register_flat_storage(layer)
+            >>> with storage.using([torch.zeros(3)]):
+            ...     layer(torch.ones(1, 2))
+            tensor([[0.]])
+        """
+        if not self._flattened:
+            raise RuntimeError(
+                "storage.using(...) needs flat mode; it was called in unflattened mode "
+                "(inside unflattened() or after unflatten()); call flatten() first"
+            )
+        items = [t.contiguous() for t in self._per_group(flat_tensors, "using()", exact=True)]
+        params = self.module._parameters
+        saved = [params[name] for name in self._flat_names]
+        for name, tensor in zip(self._flat_names, items):
+            params[name] = tensor
+        self._using += 1
+        try:
+            yield self
+        finally:
+            for name, tensor in zip(self._flat_names, saved):
+                params[name] = tensor
+            self._using -= 1
+            self._invalidate()
+
+    # ------------------------------------------------------------- internals
+    def _invalidate(self) -> None:
+        for views in self._views:
+            views.invalidate()
+
+    def _refresh_originals(self) -> None:
+        """Point the original parameter objects at their slots (frees any old buffer)."""
+        with torch.no_grad():
+            splits = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
+        for slot in self._slots:
+            target = splits[slot.group][slot.index]
+            if not same_memory(slot.param, target):
+                slot.param.data = target
+        self._invalidate()
+
+    def _layout_of(self, group: int) -> dict[str, Any]:
+        layout = self._views[group].layout
+        members = [slot for slot in self._slots if slot.group == group]
+        return {
+            "names": [slot.name for slot in members],
+            "shapes": [layout.shapes[slot.index] for slot in members],
+            "numels": [layout.numels[slot.index] for slot in members],
+            "offsets": [layout.offsets[slot.index] for slot in members],
+        }
+
+    def _adopt_flat_params(self) -> None:
+        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
+        params = self.module._parameters
+        for g, name in enumerate(self._flat_names):
+            param = params.get(name)
+            if isinstance(param, Tensor) and (param is not self._flat[g] or type(param) is not FlatParameter):
+                flat = _as_flat_parameter(param, **self._layout_of(g))
+                params[name] = self._flat[g] = flat
+        self._refresh_originals()
+
+    def _apply(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
+        if self._using:
+            raise RuntimeError(
+                "cannot convert or move the module inside storage.using(...); leave it first"
+            )
+        was_flat = self._flattened
+        self.flatten()
+        try:
+            return base(fn, recurse)
+        finally:
+            self._adopt_flat_params()
+            if not was_flat:
+                self.unflatten()
+
+    def _stage(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
+        if self._pending is not None:
+            self._pending.extend(loaded)
+        else:
+            self._commit(loaded)
+
+    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
+        if not loaded:
+            return
+        with torch.no_grad():
+            targets = {id(v): v.split(f.detach()) for f, v in zip(self._flat, self._views)}
+            for views, index, source in loaded:
+                targets[id(views)][index].copy_(source)
+
+    def _load_state_dict(
+        self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool
+    ) -> Any:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+        was_flat = self._flattened
+        self.flatten()
+        snapshot = Snapshot(self.module, set(map(id, self._flat)))
+        self._pending = []
+        try:
+            result = base(state_dict, strict=strict, assign=assign)
+            self._commit(self._pending)
+        except BaseException:
+            snapshot.restore()
+            raise
+        finally:
+            self._pending = None
+            if not was_flat:
+                self.unflatten()
+        return result
+
+    # ------------------------------------------------------------ state dicts
+    def flat_state_dict(self) -> OrderedDict[str, Any]:
+        """Return the module's state dict in flat form.
+
+        The flat parameters (``flat_param_<group>``, zero copy) and a layout
+        record per group (``flat_layout_<group>``, a small uint8 tensor) take
+        the place of the flattened parameters; every other entry is as in
+        ``module.state_dict()``. ``module.load_state_dict`` accepts it, and
+        refuses it for a module with another layout.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            >>> storage = register_flat_storage(model)
+            >>> list(storage.flat_state_dict())[:3]
+            ['flat_param_0', 'flat_layout_0', '1.running_mean']
+        """
+        root = self.module
+        was_flat = self._flattened
+        self.flatten()
+        try:
+            plain = root.state_dict()
+        finally:
+            if not was_flat:
+                self.unflatten()
+        out: OrderedDict[str, Any] = OrderedDict()
+        out._metadata = getattr(plain, "_metadata", OrderedDict())  # type: ignore[attr-defined]
+        for g, (group, flat) in enumerate(zip(self._group_names, self._flat)):
+            out[flat_param_name(group)] = flat.detach()
+            out[flat_layout_name(group)] = layout_record(self, g)
+        flattened = {name for slot in self._slots for name in slot.all_names}
+        for key, value in plain.items():
+            if key not in flattened:
+                out[key] = value
+        return out
+
+    # ---------------------------------------------------------- registration
+    def _install(self) -> None:
+        """Change the module (atomically): classes, parametrizations, flat parameters."""
+        root = self.module_unchecked
+        modules = dict(root.named_modules(remove_duplicate=False))
+        owners: dict[int, nn.Module] = {id(root): root}
+        for slot in self._slots:
+            for name in slot.all_names:
+                owner, _ = _locate(modules, name)
+                owners.setdefault(id(owner), owner)
+        classes = {key: make_class(owner) for key, owner in owners.items()}
+        undo: list[Callable[[], None]] = []
+        try:
+            for key, owner in owners.items():
+                saved = list(owner._parameters.items())
+                previous = type(owner)
+                undo.append(_restore_params(owner, saved))
+                owner.__dict__[MODULE_STATE_ATTR] = ModuleState(self, [k for k, _ in saved], previous)
+                undo.append(lambda owner=owner: owner.__dict__.pop(MODULE_STATE_ATTR, None))
+                owner.__class__ = classes[key]
+                undo.append(lambda owner=owner, previous=previous: setattr(owner, "__class__", previous))
+            for slot in self._slots:
+                views = self._views[slot.group]
+                for name in slot.all_names:
+                    owner, attr = _locate(modules, name)
+                    state: ModuleState = owner.__dict__[MODULE_STATE_ATTR]
+                    if attr in state.slots:  # the same module reached under two paths
+                        continue
+                    original = owner._parameters.pop(attr)
+                    register_view(owner, attr, views, slot.index, name, original, undo.append)
+                    add_property(type(owner), attr)
+                    state.slots[attr] = (views, slot.index)
+            for name, flat in zip(self._flat_names, self._flat):
+                root.register_parameter(name, flat)
+            root.__dict__[STORAGE_ATTR] = self
+            undo.append(lambda: root.__dict__.pop(STORAGE_ATTR, None))
+        except BaseException:
+            for step in reversed(undo):
+                step()
+            raise
+        self._refresh_originals()
+
+    @property
+    def module_unchecked(self) -> nn.Module:
+        module = self._root_ref()
+        if module is None:
+            raise RuntimeError("the module of this flat storage was garbage collected")
+        return module
+
+    def _remove(self) -> None:
+        """Undo the registration: plain parameters with the current values (atomic)."""
+        self.flatten()
+        root = self.module
+        modules = self._modules()
+        with torch.no_grad():
+            values = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
+            grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
+            data = [values[s.group][s.index].clone() for s in self._slots]
+            grad = [None if grads[s.group] is None else grads[s.group][s.index].clone() for s in self._slots]  # type: ignore[index]
+        # Commit: nothing below allocates or can fail.
+        for slot, value, slot_grad in zip(self._slots, data, grad):
+            slot.param.data = value
+            slot.param.requires_grad_(self._flat[slot.group].requires_grad)
+            slot.param.grad = slot_grad
+        for name in self._flat_names:
+            root._parameters.pop(name, None)
+        for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
+            _restore_module(owner, self._slots, modules)
+        root.__dict__.pop(STORAGE_ATTR, None)
+        self._flattened = False
+        self._invalidate()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
+        new = FlatStorage.__new__(FlatStorage)
+        memo[id(self)] = new
+        root = self._root_ref()
+        new_root = memo.get(id(root), root)
+        new._root_ref = weakref.ref(new_root)
+        new._group_names = list(self._group_names)
+        new._flat_names = list(self._flat_names)
+        new._views = copy.deepcopy(self._views, memo)
+        new._flat = [copy.deepcopy(f, memo) for f in self._flat]
+        new._slots = [
+            _Slot(s.name, s.aliases, s.group, s.index, memo[id(s.param)] if id(s.param) in memo else _placeholder(s.param))
+            for s in self._slots
+        ]
+        new._align = self._align
+        new._flattened = self._flattened
+        new._using = 0
+        new._pending = None
+        return new
+
+    def __getstate__(self) -> None:
+        raise RuntimeError(
+            "a FlatStorage cannot be pickled; save module.state_dict() or "
+            "storage.flat_state_dict() instead"
+        )
+
+    def __repr__(self) -> str:
+        from ._inspect import storage_repr
+
+        return storage_repr(self)
+
+    def summary(self) -> str:
+        """Return a text table of every flattened parameter: name, group, offset, numel, shape, dtype.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(2, 3)
+            >>> print(register_flat_storage(layer).summary())
+            name    group  offset  numel  shape   dtype
+            ------  -----  ------  -----  ------  -------
+            weight  0           0      6  (3, 2)  float32
+            bias    0           6      3  (3,)    float32
+        """
+        from ._inspect import summary_table
+
+        return summary_table(self)
+
+    def _repr_html_(self) -> str:
+        from ._inspect import storage_html
+
+        return storage_html(self)
+
+
+def _placeholder(param: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
+
+
+def _restore_params(owner: nn.Module, saved: list[tuple[str, Any]]) -> Callable[[], None]:
+    def restore() -> None:
+        owner._parameters.clear()
+        owner._parameters.update(saved)
+
+    return restore
+
+
+def _restore_module(owner: nn.Module, slots: Sequence[_Slot], modules: dict[str, nn.Module]) -> None:
+    """Give ``owner`` back its parameters, its container of parametrizations and its class."""
+    state: ModuleState = owner.__dict__.pop(MODULE_STATE_ATTR)
+    container = owner.__dict__.get("parametrizations", owner._modules.get("parametrizations"))
+    for attr in state.slots:
+        if container is not None:
+            container._modules.pop(attr, None)
+    for slot in slots:
+        for name in slot.all_names:
+            found, attr = _locate(modules, name)
+            if found is owner:
+                owner._parameters[attr] = slot.param
+    _reorder(owner._parameters, state.order)
+    if isinstance(container, HiddenParametrizations):
+        if len(container):
+            # Another parametrization was registered after ours: keep its property.
+            namespace = {
+                k: v
+                for k, v in type(owner).__dict__.items()
+                if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in _METHODS
+            }
+            owner.__class__ = type(state.prev_class.__name__, (state.prev_class,), namespace)
+            return
+        owner.__dict__.pop("parametrizations", None)
+        owner._modules.pop("parametrizations", None)
+    owner.__class__ = state.prev_class

@@ -1,0 +1,281 @@
+"""The hot path: serving ``module.weight`` as a view of the group's flat tensor.
+
+One :class:`GroupViews` per group splits whatever tensor is currently
+registered as the group's flat parameter *once* per pass (per thread, per
+grad mode) and hands out reshaped chunks of that single ``split``, so that
+backward costs O(total numel) per group instead of one full-size gradient per
+parameter. The cache is rebuilt whenever the flat tensor is replaced, changed
+in place (``_version``), re-backed (``.data`` swap, ``module.to()``), or read
+under another grad or inference mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.parametrize import ParametrizationList
+
+from ._layout import GroupLayout
+from ._names import MODULE_STATE_ATTR
+
+__all__ = [
+    "GroupViews",
+    "FlatView",
+    "FlatViewList",
+    "HiddenParametrizations",
+    "make_property",
+    "same_memory",
+]
+
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
+_MISSING = object()
+
+
+def same_memory(a: Tensor, b: Tensor) -> bool:
+    """Return whether ``a`` and ``b`` are the same elements of the same memory."""
+    try:
+        return (
+            a.data_ptr() == b.data_ptr()
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+        )
+    except RuntimeError:  # tensors without storage (vmap, functorch wrappers)
+        return a is b
+
+
+class GroupViews:
+    """Views of one group's tensors, read from ``params[flat_name]`` at each access.
+
+    Args:
+        params: the ``_parameters`` dict of the registered module (so that
+            ``functional_call`` and ``using()`` substitutions are seen).
+        flat_name: the key of the group's flat parameter in ``params``.
+        layout: the group's layout.
+    """
+
+    __slots__ = ("params", "flat_name", "layout", "_tls", "_split", "_segments", "_shapes")
+
+    def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
+        self.params = params
+        self.flat_name = flat_name
+        self.layout = layout
+        self._split = list(layout.split_sizes)
+        self._segments = layout.segments
+        self._shapes = layout.shapes
+        self._tls = threading.local()
+
+    def invalidate(self) -> None:
+        """Drop every thread's cached views (they hold the old flat tensor alive)."""
+        self._tls = threading.local()
+
+    def current(self) -> Tensor:
+        """Return the tensor currently registered as the flat parameter."""
+        return self.params[self.flat_name]  # type: ignore[no-any-return]
+
+    def view(self, index: int) -> Tensor:
+        """Return slot ``index`` as a view of the current flat tensor."""
+        flat = self.params[self.flat_name]
+        if _is_compiling():
+            # Compiled code must see plain tensor ops: no cache, no version guard.
+            layout = self.layout
+            return flat.narrow(0, layout.offsets[index], layout.numels[index]).view(
+                self._shapes[index]
+            )
+        if _is_grad_enabled():
+            key = 1
+        else:
+            key = 2 if _is_inference() else 0
+        cache = self._tls.__dict__
+        entry = cache.get(key)
+        if entry is None or entry[0] is not flat or entry[1] != flat._version:
+            return self._rebuild(flat, key, cache, index)
+        try:
+            if entry[2] != flat.data_ptr():
+                return self._rebuild(flat, key, cache, index)
+        except RuntimeError:
+            return self._rebuild(flat, key, cache, index)
+        views = entry[4]
+        view = views[index]
+        if view is None:
+            view = views[index] = entry[3][self._segments[index]].view(self._shapes[index])
+        return view
+
+    def _rebuild(self, flat: Tensor, key: int, cache: dict[int, Any], index: int) -> Tensor:
+        chunks = flat.split(self._split)
+        try:
+            ptr = flat.data_ptr()
+        except RuntimeError:  # vmap's batched tensors have no storage: never cache them
+            return chunks[self._segments[index]].view(self._shapes[index])
+        views: list[Tensor | None] = [None] * len(self._shapes)
+        view = views[index] = chunks[self._segments[index]].view(self._shapes[index])
+        cache[key] = (flat, flat._version, ptr, chunks, views)
+        return view
+
+    def all_views(self) -> list[Tensor]:
+        """Return every slot's view of the current flat tensor (one split)."""
+        return [self.view(i) for i in range(len(self._shapes))]
+
+    def split(self, tensor: Tensor) -> list[Tensor]:
+        """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
+        chunks = tensor.split(self._split)
+        return [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupViews:
+        new = GroupViews.__new__(GroupViews)
+        memo[id(self)] = new
+        new.params = copy.deepcopy(self.params, memo)
+        new.flat_name = self.flat_name
+        new.layout = self.layout
+        new._split = self._split
+        new._segments = self._segments
+        new._shapes = self._shapes
+        new._tls = threading.local()
+        return new
+
+    def __getstate__(self) -> None:
+        raise RuntimeError(
+            "a flattened module cannot be pickled (its classes are generated at "
+            "registration); save module.state_dict() or storage.flat_state_dict() "
+            "instead, or call remove_flat_storage first"
+        )
+
+
+def _assignment_error(module: nn.Module, name: str) -> RuntimeError:
+    return RuntimeError(
+        f"cannot assign to {type(module).__name__}.{name}: it is a view of a flat "
+        f"storage and assigning a new tensor would be lost. To write values use "
+        f"`with torch.no_grad(): module.{name}.copy_(value)`; to run with other weights "
+        f"use storage.using(...), storage.unflattened(), or functional_call with the "
+        f"flat parameter's name (flat_param_<group>)"
+    )
+
+
+def make_property(name: str) -> property:
+    """Return the class property that serves attribute ``name`` of a flattened module.
+
+    In unflattened mode the attribute is a real parameter in ``_parameters``
+    and is returned as is; in flat mode it is the slot's view.
+    """
+
+    def fget(module: nn.Module) -> Tensor:
+        param = module._parameters.get(name, _MISSING)
+        if param is not _MISSING:
+            return param  # type: ignore[return-value]
+        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        return group.view(index)  # type: ignore[no-any-return]
+
+    def fset(module: nn.Module, value: Any) -> None:
+        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        if isinstance(value, Tensor) and same_memory(value, group.view(index)):
+            return
+        raise _assignment_error(module, name)
+
+    return property(fget, fset, doc=f"View of '{name}' in the flat storage.")
+
+
+class FlatView(nn.Module):
+    """The parametrization registered on each flattened attribute.
+
+    Its ``forward`` returns the attribute's view of the flat buffer. Values
+    cannot be assigned through ``right_inverse``: the flat buffer owns them.
+    """
+
+    def __init__(self, group: GroupViews, index: int, qualified_name: str) -> None:
+        super().__init__()
+        self.__dict__["_slot"] = (group, index)
+        self.__dict__["_qualified_name"] = qualified_name
+        self.__dict__["_registering"] = True
+
+    def forward(self) -> Tensor:
+        group, index = self.__dict__["_slot"]
+        return group.view(index)  # type: ignore[no-any-return]
+
+    def right_inverse(self, value: Tensor) -> tuple[()]:
+        if self.__dict__.pop("_registering", False):
+            return ()
+        raise RuntimeError(
+            f"cannot assign to {self.__dict__['_qualified_name']} through its "
+            "parametrization: it is a view of a flat storage. Write values with "
+            "`with torch.no_grad(): view.copy_(value)` or swap weights with storage.using(...)"
+        )
+
+    def extra_repr(self) -> str:
+        group, index = self.__dict__["_slot"]
+        layout = group.layout
+        return (
+            f"{group.flat_name}[{layout.offsets[index]}:"
+            f"{layout.offsets[index] + layout.numels[index]}] -> {tuple(layout.shapes[index])}"
+        )
+
+
+class FlatViewList(ParametrizationList):
+    """A ``ParametrizationList`` holding one :class:`FlatView` and no original tensor."""
+
+    def _refuse(self, *args: Any) -> None:
+        raise RuntimeError(
+            "cannot add a parametrization on top of a flattened attribute: "
+            "register other parametrizations before register_flat_storage (their "
+            "original tensors are then flattened), or call remove_flat_storage first"
+        )
+
+    append = _refuse  # type: ignore[assignment]
+    insert = _refuse  # type: ignore[assignment]
+
+
+class HiddenParametrizations(nn.ModuleDict):
+    """The ``parametrizations`` container of a module, kept out of ``_modules``.
+
+    ``torch.nn.utils.parametrize`` finds it by attribute, so ``is_parametrized``
+    and friends work, while ``print(model)``, ``model.modules()`` and
+    ``state_dict()`` stay exactly as before. If another parametrization is
+    registered on the same module later, the container moves into
+    ``_modules`` so that its tensors are seen by ``parameters()``.
+    """
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_owner"] = weakref.ref(owner)
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        super().add_module(name, module)
+        if not isinstance(module, FlatViewList):
+            owner = self.__dict__["_owner"]()
+            if owner is not None and owner.__dict__.get("parametrizations") is self:
+                del owner.__dict__["parametrizations"]
+                owner._modules["parametrizations"] = self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HiddenParametrizations:
+        new = HiddenParametrizations.__new__(HiddenParametrizations)
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k != "_owner"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        owner = self.__dict__["_owner"]()
+        new.__dict__["_owner"] = weakref.ref(memo.get(id(owner), owner)) if owner is not None else (lambda: None)
+        return new
+
+
+def register_view(
+    module: nn.Module, name: str, group: GroupViews, index: int, qualified_name: str,
+    original: Tensor, on_undo: Callable[[Callable[[], None]], None],
+) -> None:
+    """Install the parametrization of ``module.<name>`` (the class must already be ours)."""
+    view = FlatView(group, index, qualified_name)
+    plist = FlatViewList([view], original, unsafe=True)
+    container = module.__dict__.get("parametrizations")
+    if container is None and "parametrizations" not in module._modules:
+        container = HiddenParametrizations(module)
+        module.__dict__["parametrizations"] = container
+        on_undo(lambda: module.__dict__.pop("parametrizations", None))
+    else:
+        container = getattr(module, "parametrizations")
+    container[name] = plist
+    on_undo(lambda: container._modules.pop(name, None))
