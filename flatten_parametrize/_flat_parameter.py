@@ -156,12 +156,18 @@ def _rebuild_flat_parameter(
     )
 
 
-def _as_flat_parameter(tensor: torch.Tensor, template: FlatParameter) -> FlatParameter:
-    """Turn ``tensor`` (a parameter that replaced ``template``) into a FlatParameter in place."""
+def _as_flat_parameter(
+    tensor: torch.Tensor,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    offsets: Sequence[int],
+) -> FlatParameter:
+    """Turn ``tensor`` (a parameter that took a flat parameter's place) into one, in place."""
     if type(tensor) is not FlatParameter:
         tensor.__class__ = FlatParameter
     flat: FlatParameter = tensor  # type: ignore[assignment]
-    flat._set_layout(template._names, template._shapes, template._numels, template._offsets)
+    flat._set_layout(names, shapes, numels, offsets)
     return flat
 
 

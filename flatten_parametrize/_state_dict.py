@@ -118,17 +118,16 @@ def load_module(
     params = module._parameters
     saved = list(params.items())
     hidden = set(root._flat_names) if root is not None else set()
-    staged: dict[str, StagingSlot] = {}
+    staged = {
+        name: _staging(group.view(index), group.current().requires_grad)
+        for name, (group, index) in state.slots.items()
+    }
     try:
         params.clear()
         by_name = dict(saved)
         for name in state.order:
-            slot = state.slots.get(name)
-            if slot is not None:
-                group, index = slot
-                staged[name] = params[name] = _staging(
-                    group.view(index), group.current().requires_grad
-                )
+            if name in staged:
+                params[name] = staged[name]
             elif name in by_name:
                 params[name] = by_name.pop(name)
         for name, value in by_name.items():

@@ -1,0 +1,86 @@
+"""FlatParameter: layout metadata that survives pickling and deepcopy."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from flatten_parametrize import FlatParameter, register_flat_storage
+
+from _models import TiedLM
+
+
+def _example() -> FlatParameter:
+    return FlatParameter(
+        torch.arange(7.0), names=["a.weight", "a.bias"], shapes=[(2, 3), (1,)], numels=[6, 1]
+    )
+
+
+def test_metadata_matches_fairscale_triple():
+    """metadata() returns (names, shapes, numels) lists."""
+    names, shapes, numels = _example().metadata()
+    assert names == ["a.weight", "a.bias"]
+    assert shapes == [torch.Size([2, 3]), torch.Size([1])]
+    assert numels == [6, 1]
+
+
+def test_registered_flat_parameter_carries_the_group_layout():
+    """The flat parameter of a group lists its canonical names, shapes, numels and offsets."""
+    model = TiedLM()
+    flat = register_flat_storage(model, align=4)["0"]
+    names, shapes, numels = flat.metadata()
+    assert names == ["embed.weight", "norm.weight", "norm.bias", "body.weight", "body.bias"]
+    assert numels == [66, 6, 6, 36, 6] and shapes[3] == (6, 6)
+    assert flat.offsets == [0, 68, 76, 84, 120]
+
+
+@pytest.mark.parametrize("dump", ["pickle", "torch", "torch_weights_only"])
+def test_flat_parameter_survives_serialization(dump):
+    """pickle, torch.save and torch.load(weights_only=True) keep type, values and layout."""
+    flat = _example()
+    flat.requires_grad_(False)
+    if dump == "pickle":
+        loaded = pickle.loads(pickle.dumps(flat))
+    else:
+        buffer = io.BytesIO()
+        torch.save(flat, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=dump == "torch_weights_only")
+    assert type(loaded) is FlatParameter
+    assert torch.equal(loaded, flat) and loaded.requires_grad is False
+    assert loaded.metadata() == flat.metadata() and loaded.offsets == flat.offsets
+
+
+def test_flat_parameter_deepcopy_keeps_layout_and_copies_data():
+    """copy.deepcopy gives an independent FlatParameter with the same layout."""
+    flat = _example()
+    clone = copy.deepcopy(flat)
+    assert type(clone) is FlatParameter and clone.metadata() == flat.metadata()
+    assert clone.data_ptr() != flat.data_ptr() and torch.equal(clone, flat)
+    assert isinstance(clone, nn.Parameter) and clone.requires_grad
+
+
+def test_flat_parameter_is_a_parameter_for_modules_and_optimizers():
+    """It registers as a module parameter and an optimizer steps it."""
+    flat = _example()
+    module = nn.Module()
+    module.flat = flat
+    assert list(module.parameters()) == [flat]
+    flat.grad = torch.ones(7)
+    torch.optim.SGD([flat], lr=1.0).step()
+    assert torch.equal(flat.detach(), torch.arange(7.0) - 1)
+
+
+def test_flat_parameter_rejects_a_layout_that_does_not_fit():
+    """A layout larger than the buffer or a non-1-D buffer is refused."""
+    with pytest.raises(ValueError, match="needs 8 elements but the buffer holds 7"):
+        FlatParameter(torch.zeros(7), names=["a"], shapes=[(8,)], numels=[8])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        FlatParameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="one name, shape, numel and offset per tensor"):
+        FlatParameter(torch.zeros(2), names=["a", "b"], shapes=[(1,)], numels=[1])

@@ -1,0 +1,277 @@
+"""The hot path: one split per pass, and views that never go stale."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn.utils import parametrize
+
+from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
+
+from _models import mlp
+
+
+def _graph_nodes(tensor: torch.Tensor) -> list[str]:
+    seen, stack, names = set(), [tensor.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
+def test_one_split_per_group_per_pass():
+    """All views of a group used in one forward come from a single split node."""
+    model = mlp(depth=20)
+    register_flat_storage(model, [["0.*", "2.*"], ["*"]] if False else None)
+    out = model(torch.randn(2, 5)).sum()
+    nodes = _graph_nodes(out)
+    assert nodes.count("SplitWithSizesBackward0") == 1
+    assert not any("AsStrided" in n or n == "SliceBackward0" for n in nodes)
+
+
+def test_two_groups_two_splits():
+    """Each group is split once."""
+    model = mlp(depth=6)
+    register_flat_storage(model, {"w": ["*.weight"], "b": ["*.bias"]})
+    nodes = _graph_nodes(model(torch.randn(2, 5)).sum())
+    assert nodes.count("SplitWithSizesBackward0") == 2
+
+
+def _fwd_bwd_time(model: nn.Module, x: torch.Tensor, rounds: int = 5) -> float:
+    times = []
+    for i in range(rounds + 2):
+        start = time.perf_counter()
+        model(x).sum().backward()
+        with torch.no_grad():  # an optimizer-like in-place update between passes
+            for p in model.parameters():
+                p.mul_(1.0)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def test_deep_model_forward_backward_is_not_quadratic():
+    """300 layers flattened run forward+backward within a small factor of the plain model."""
+    torch.set_num_threads(2)
+    plain = nn.Sequential(*[nn.Linear(32, 32) for _ in range(300)])
+    flat = copy.deepcopy(plain)
+    register_flat_storage(flat)
+    x = torch.randn(8, 32)
+    t_plain = min(_fwd_bwd_time(plain, x) for _ in range(2))
+    t_flat = min(_fwd_bwd_time(flat, x) for _ in range(2))
+    # Per-access slicing would cost one full-size gradient per parameter (about 600x the
+    # buffer here); a generous bound catches that order-of-magnitude regression.
+    assert t_flat < 4 * t_plain, (t_flat, t_plain)
+
+
+def test_views_are_rebuilt_after_an_optimizer_step():
+    """An in-place update between passes neither errors nor leaves stale views."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+        weight = model[0].weight
+        torch.testing.assert_close(weight.detach(), storage["0"].detach()[:25].view(5, 5))
+
+
+def test_views_are_rebuilt_after_a_data_swap():
+    """Replacing flat.data keeps _version but the views follow the new memory."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    _ = model[0].weight
+    storage["0"].data = torch.full_like(storage["0"], 7.0)
+    assert model[0].weight.eq(7.0).all() and model[0].bias.eq(7.0).all()
+
+
+def test_views_follow_module_to_dtype():
+    """module.to(float64) converts the flat buffer and every view, keeping values."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    before = model[0].weight.detach().clone()
+    model.to(torch.float64)
+    assert storage["0"].dtype == torch.float64 and model[0].weight.dtype == torch.float64
+    torch.testing.assert_close(model[0].weight.detach().float(), before)
+    model(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    assert storage["0"].grad.dtype == torch.float64
+    model.half()
+    assert model[0].bias.dtype == torch.float16
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "swap"])
+def test_conversion_that_replaces_parameters_keeps_a_flat_parameter(flag):
+    """With torch.__future__ conversion flags, .to() still leaves a FlatParameter with its layout."""
+    setter = {
+        "overwrite": torch.__future__.set_overwrite_module_params_on_conversion,
+        "swap": torch.__future__.set_swap_module_params_on_conversion,
+    }[flag]
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    names = storage["0"].metadata()[0]
+    setter(True)
+    try:
+        model.double()
+    finally:
+        setter(False)
+    flat = dict(model.named_parameters())["flat_param_0"]
+    assert type(flat) is FlatParameter and flat is storage["0"]
+    assert flat.metadata()[0] == names and flat.dtype == torch.float64
+    assert model[0].weight.dtype == torch.float64
+    model(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    assert flat.grad is not None
+
+
+def test_views_differ_per_grad_mode():
+    """Views read under no_grad carry no autograd history; grad-mode views do."""
+    model = mlp(1)
+    register_flat_storage(model)
+    with torch.no_grad():
+        assert model[0].weight.grad_fn is None
+        model[0].weight.add_(0.0)  # writable in place under no_grad
+    assert model[0].weight.grad_fn is not None
+    with torch.no_grad():
+        assert model[0].weight.grad_fn is None
+
+
+def test_inference_mode_then_training_works():
+    """A pass under inference_mode does not poison the views used for training."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    x = torch.randn(3, 5)
+    with torch.inference_mode():
+        expected = model(x)
+    out = model(x)
+    torch.testing.assert_close(out.detach(), expected)
+    out.sum().backward()
+    assert storage["0"].grad is not None
+
+
+def test_views_are_per_thread():
+    """An inference thread under no_grad and a training thread both get correct views."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    plain = mlp(2)
+    x = torch.randn(4, 5)
+    errors: list[BaseException] = []
+
+    def infer() -> None:
+        try:
+            for _ in range(50):
+                with torch.no_grad():
+                    torch.testing.assert_close(model(x), plain(x))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=infer)
+    thread.start()
+    for _ in range(50):
+        storage["0"].grad = None
+        model(x).sum().backward()
+    thread.join()
+    assert not errors
+    plain(x).sum().backward()
+    grads = dict(storage.named_grads())
+    torch.testing.assert_close(grads["0.weight"], plain[0].weight.grad)
+
+
+def test_functional_call_with_the_flat_parameter_name_substitutes_it():
+    """functional_call(model, {'flat_param_0': t}) runs the model on t, with gradients into t."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    weights = torch.randn(storage["0"].numel(), requires_grad=True)
+    x = torch.randn(2, 5)
+    out = functional_call(model, {"flat_param_0": weights}, (x,))
+    expected = torch.tanh(x @ weights[:25].view(5, 5).T + weights[25:])
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert weights.grad is not None and storage["0"].grad is None
+    torch.testing.assert_close(model(x), torch.tanh(model[0](x)))
+
+
+def test_vmap_over_stacked_flat_vectors():
+    """vmap evaluates K weight vectors in one call, with gradients to the stack."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    stack = torch.randn(3, storage["0"].numel(), requires_grad=True)
+    x = torch.randn(2, 5)
+    out = torch.vmap(lambda w: functional_call(model, {"flat_param_0": w}, (x,)))(stack)
+    for k in range(3):
+        with storage.using([stack[k]]):
+            torch.testing.assert_close(out[k], model(x))
+    out.sum().backward()
+    assert stack.grad is not None and stack.grad.shape == stack.shape
+
+
+def test_assigning_the_own_view_is_a_no_op_and_anything_else_raises():
+    """layer.weight = layer.weight is fine; a new tensor raises with guidance."""
+    model = mlp(1)
+    register_flat_storage(model)
+    model[0].weight = model[0].weight
+    with torch.no_grad():
+        model[0].weight = model[0].weight.detach()
+    with pytest.raises(RuntimeError, match=r"torch.no_grad\(\): module.weight.copy_\(value\)"):
+        model[0].weight = torch.zeros(5, 5)
+
+
+def test_functional_call_by_original_name_is_refused():
+    """functional_call keyed by an original name raises instead of being dropped silently."""
+    model = mlp(1)
+    register_flat_storage(model)
+    with pytest.raises(RuntimeError, match="flat_param_<group>"):
+        functional_call(model, {"0.weight": torch.zeros(5, 5)}, (torch.randn(1, 5),))
+
+
+def test_parametrize_api_keeps_working():
+    """is_parametrized, type_before_parametrizations and cached() work on flattened modules."""
+    model = mlp(1)
+    register_flat_storage(model)
+    assert parametrize.is_parametrized(model[0], "weight")
+    assert parametrize.type_before_parametrizations(model[0]) is nn.Linear
+    with parametrize.cached():
+        out = model(torch.randn(2, 5))
+    out.sum().backward()
+    assert isinstance(model[0].parametrizations["weight"][0], nn.Module)
+    torch.testing.assert_close(model[0].parametrizations["weight"](), model[0].weight)
+
+
+def test_attribute_access_cost_is_bounded():
+    """One flattened attribute read stays within an order of magnitude of a plain read."""
+    layer = nn.Linear(3, 3)
+    plain = nn.Linear(3, 3)
+    register_flat_storage(layer)
+
+    def cost(module: nn.Module) -> float:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(2000):
+                module.weight
+            best = min(best, (time.perf_counter() - start) / 2000)
+        return best
+
+    assert cost(layer) < 20 * cost(plain) + 5e-6
+
+
+def test_deepcopy_after_use_does_not_copy_cached_views():
+    """A model whose views are cached can be deep-copied (cached non-leaf views are not copied)."""
+    model = mlp(2)
+    register_flat_storage(model)
+    model(torch.randn(2, 5)).sum().backward()
+    clone = copy.deepcopy(model)
+    storage = get_flat_storage(clone)
+    assert storage is not None
+    clone(torch.randn(2, 5)).sum().backward()
+    assert storage["0"].grad is None or storage["0"].grad.shape == storage["0"].shape
