@@ -91,9 +91,7 @@ def register_flat_storage(module: nn.Module, groups: GroupsArg = None, *, align:
             )
         )
         layouts.append(layout)
-        slots += [
-            _Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)
-        ]
+        slots += [_Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
     storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots, align)
     storage._install()
     return storage
@@ -142,6 +140,8 @@ def remove_flat_storage(module: nn.Module) -> None:
         >>> type(layer) is nn.Linear, layer.weight is weight
         (True, True)
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remove_flat_storage needs an nn.Module; got {type(module).__name__}")
     storage = get_flat_storage(module)
     if storage is None:
         raise ValueError(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,13 +83,17 @@ class FlatParameter(nn.Parameter):
                 f"got {len(names)} names, {len(sizes)} shapes, {len(numels)} numels, "
                 f"{len(offsets)} offsets"
             )
+        for name, size, numel in zip(names, sizes, numels):
+            if size.numel() != numel:
+                raise ValueError(
+                    f"FlatParameter layout: '{name}' has shape {tuple(size)} ({size.numel()} "
+                    f"elements) but numel {numel}; give numels that match the shapes"
+                )
         if self.dim() != 1:
             raise ValueError(f"FlatParameter data must be one-dimensional; got shape {tuple(self.shape)}")
         end = max((o + n for o, n in zip(offsets, numels)), default=0)
         if end > self.numel():
-            raise ValueError(
-                f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}"
-            )
+            raise ValueError(f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}")
         self._names, self._shapes, self._numels, self._offsets = names, sizes, numels, offsets
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
@@ -112,7 +117,7 @@ class FlatParameter(nn.Parameter):
         """Return the element offset of each stored tensor."""
         return list(self._offsets)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"FlatParameter({len(self._names)} tensors) containing:\n" + torch.Tensor.__repr__(self)
 
     def __reduce_ex__(self, proto: Any) -> tuple[Any, ...]:
@@ -151,9 +156,7 @@ def _rebuild_flat_parameter(
     numels: Sequence[int],
     offsets: Sequence[int],
 ) -> FlatParameter:
-    return FlatParameter(
-        data, requires_grad, names=names, shapes=shapes, numels=numels, offsets=offsets
-    )
+    return FlatParameter(data, requires_grad, names=names, shapes=shapes, numels=numels, offsets=offsets)
 
 
 def _as_flat_parameter(

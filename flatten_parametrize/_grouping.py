@@ -19,9 +19,7 @@ from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_param_name
 __all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "resolve_groups"]
 
 GroupItem = Union[nn.Parameter, nn.Module, str]
-GroupsArg = Union[
-    None, Iterable[GroupItem], Iterable[Iterable[GroupItem]], Mapping[str, Any]
-]
+GroupsArg = Union[None, Iterable[GroupItem], Iterable[Iterable[GroupItem]], Mapping[str, Any]]
 
 
 @dataclass
@@ -82,24 +80,27 @@ def _collect_names(module: nn.Module) -> dict[int, SlotSpec]:
             slots[id(param)] = SlotSpec(param, [name])
         else:
             spec.names.append(name)
-    for spec in slots.values():
-        param = spec.param
-        if isinstance(param, FlatParameter):
-            raise RuntimeError(
-                f"cannot flatten '{spec.name}': it is already the flat parameter of "
-                "another flat storage; call remove_flat_storage on the module that owns it"
-            )
-        if isinstance(param, nn.parameter.UninitializedParameter):
-            raise ValueError(
-                f"cannot flatten '{spec.name}': it is an uninitialized (lazy) parameter; "
-                "run one forward pass to materialize lazy modules before registering"
-            )
-        if param.layout != torch.strided:
-            raise ValueError(
-                f"cannot flatten '{spec.name}': only dense (strided) parameters can share a "
-                f"flat buffer, it has layout {param.layout}; leave it out of the groups"
-            )
     return slots
+
+
+def _check_flattenable(spec: SlotSpec, automatic: bool) -> None:
+    param = spec.param
+    hint = "pass explicit groups that leave it out" if automatic else "leave it out of the groups"
+    if isinstance(param, FlatParameter):
+        raise RuntimeError(
+            f"cannot flatten '{spec.name}': it is already the flat parameter of "
+            "another flat storage; call remove_flat_storage on the module that owns it"
+        )
+    if isinstance(param, nn.parameter.UninitializedParameter):
+        raise ValueError(
+            f"cannot flatten '{spec.name}': it is an uninitialized (lazy) parameter; "
+            f"run one forward pass to materialize lazy modules before registering, or {hint}"
+        )
+    if param.layout != torch.strided:
+        raise ValueError(
+            f"cannot flatten '{spec.name}': only dense (strided) parameters can share a "
+            f"flat buffer, it has layout {param.layout}; {hint}"
+        )
 
 
 def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
@@ -119,8 +120,7 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
         for key, value in groups.items():
             if not isinstance(key, str):
                 raise TypeError(
-                    f"group names must be str; got {type(key).__name__} {key!r}; "
-                    "use str keys such as 'decay'"
+                    f"group names must be str; got {type(key).__name__} {key!r}; use str keys such as 'decay'"
                 )
             named.append((key, [value] if _is_item(value) else _as_list(value, f"group '{key}'")))
         return named
@@ -141,8 +141,7 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
 def _as_list(value: Any, what: str) -> list[Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(
-            f"{what} must be an iterable of parameters, modules or name patterns; "
-            f"got {_describe(value)}"
+            f"{what} must be an iterable of parameters, modules or name patterns; got {_describe(value)}"
         )
     return list(value)
 
@@ -192,8 +191,7 @@ def _resolve_items(
                 found.setdefault(id(spec.param), spec)
         else:
             raise TypeError(
-                f"{where} must be an nn.Parameter, an nn.Module or a str pattern; "
-                f"got {_describe(item)}"
+                f"{where} must be an nn.Parameter, an nn.Module or a str pattern; got {_describe(item)}"
             )
     return list(found.values())
 
@@ -251,9 +249,7 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
         RuntimeError: if part of ``module`` already lives in a flat storage.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"register_flat_storage needs an nn.Module; got {type(module).__name__}"
-        )
+        raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
     _check_not_flattened(module)
     by_id = _collect_names(module)
     if groups is None:
@@ -270,9 +266,7 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
         owner: dict[int, str] = {}
         for name, items in _split_groups(groups):
             if any(g.name == name for g in specs):
-                raise ValueError(
-                    f"duplicate group name {name!r}; give every group its own name"
-                )
+                raise ValueError(f"duplicate group name {name!r}; give every group its own name")
             group = GroupSpec(name, _resolve_items(module, name, items, by_id, submodules))
             if not group.slots:
                 raise ValueError(
@@ -286,8 +280,11 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
                         f"parameter {slot.name} is in two groups, '{other}' and '{name}'; "
                         "a parameter can live in one flat buffer only"
                     )
-            _check_uniform(group)
             specs.append(group)
     for group in specs:
+        for slot in group.slots:
+            _check_flattenable(slot, automatic=groups is None)
+        if groups is not None:
+            _check_uniform(group)
         _check_group_name(module, group.name)
     return specs

@@ -30,7 +30,7 @@ def _dtype(dtype: object) -> str:
 
 
 def _rows(storage: FlatStorage) -> list[tuple[str, ...]]:
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for info in storage.param_infos:
         name = info.name + (f" (= {', '.join(info.aliases)})" if info.aliases else "")
         rows.append(

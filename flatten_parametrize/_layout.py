@@ -8,8 +8,8 @@ serves every view of a group.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["GroupLayout", "plan_group", "shape_numel"]
 

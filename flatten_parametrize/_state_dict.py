@@ -166,7 +166,12 @@ def _layout_dict(storage: FlatStorage, group: int) -> dict[str, Any]:
         "group": storage._group_names[group],
         "numel": views.layout.numel,
         "slots": [
-            [slot.name, list(slot.aliases), views.layout.offsets[slot.index], list(views.layout.shapes[slot.index])]
+            [
+                slot.name,
+                list(slot.aliases),
+                views.layout.offsets[slot.index],
+                list(views.layout.shapes[slot.index]),
+            ]
             for slot in storage._slots
             if slot.group == group
         ],
@@ -215,7 +220,9 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
     ours = [k for k in index if k in state_dict]
     if not ours:
         return
-    original = next((prefix + n for s in storage._slots for n in s.all_names if prefix + n in state_dict), None)
+    original = next(
+        (prefix + n for s in storage._slots for n in s.all_names if prefix + n in state_dict), None
+    )
     if original is not None:
         raise ValueError(
             f"state dict mixes the flat form ('{ours[0]}') and the unflattened form "
@@ -228,9 +235,7 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
         record_key = prefix + flat_layout_name(gname)
         flat = state_dict[key]
         if not isinstance(flat, Tensor):
-            raise TypeError(
-                f"flat state dict entry '{key}' must be a tensor; got {type(flat).__name__}"
-            )
+            raise TypeError(f"flat state dict entry '{key}' must be a tensor; got {type(flat).__name__}")
         if record_key not in state_dict:
             raise ValueError(
                 f"flat state dict entry '{key}' comes without its layout record '{record_key}', "

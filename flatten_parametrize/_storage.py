@@ -111,8 +111,7 @@ class FlatStorage:
         self._flat_names = [flat_param_name(g) for g in group_names]
         self._flat = list(flats)
         self._views = [
-            GroupViews(module._parameters, name, layout)
-            for name, layout in zip(self._flat_names, layouts)
+            GroupViews(module._parameters, name, layout) for name, layout in zip(self._flat_names, layouts)
         ]
         self._slots = list(slots)
         self._align = align
@@ -256,16 +255,14 @@ class FlatStorage:
             unknown = [k for k in tensors if k not in groups]
             if missing or unknown:
                 raise ValueError(
-                    f"{what} needs one tensor per group {groups}; missing {missing}, "
-                    f"unknown {unknown}"
+                    f"{what} needs one tensor per group {groups}; missing {missing}, unknown {unknown}"
                 )
             items = [tensors[g] for g in groups]
         elif isinstance(tensors, Sequence) and not isinstance(tensors, (str, bytes)):
             items = list(tensors)
             if len(items) != len(groups):
                 raise ValueError(
-                    f"{what} needs one tensor per group ({len(groups)}: {groups}); "
-                    f"got {len(items)}"
+                    f"{what} needs one tensor per group ({len(groups)}: {groups}); got {len(items)}"
                 )
         else:
             raise TypeError(
@@ -275,8 +272,7 @@ class FlatStorage:
         for group, item, flat in zip(groups, items, self._flat):
             if not isinstance(item, Tensor):
                 raise TypeError(
-                    f"{what}: the entry for group '{group}' must be a Tensor; got "
-                    f"{type(item).__name__}"
+                    f"{what}: the entry for group '{group}' must be a Tensor; got {type(item).__name__}"
                 )
             if item.shape != flat.shape:
                 raise ValueError(
@@ -348,6 +344,14 @@ class FlatStorage:
                         f"cannot flatten: {name} has shape {tuple(param.shape)} but its slot "
                         f"in the flat storage holds {shape}; assign a parameter of shape {shape}"
                     )
+                flat = self._flat[slot.group]
+                for what, tensor in (("its value", param), ("its gradient", param.grad)):
+                    if tensor is not None and tensor.is_meta and not flat.is_meta:
+                        raise RuntimeError(
+                            f"cannot flatten: {what} of {name} is on the meta device and holds "
+                            f"no data to write into group '{self._group_names[slot.group]}'; "
+                            "assign a parameter with values (or load a state dict) first"
+                        )
                 if found and param is not found[0]:
                     raise RuntimeError(
                         f"cannot flatten: tied parameter {slot.name} and {name} were "
@@ -384,29 +388,32 @@ class FlatStorage:
         root = self.module
         modules = self._modules()
         current = self._current_params(modules)
+        groups = [
+            [(slot, current[i]) for i, slot in enumerate(self._slots) if slot.group == g]
+            for g in range(len(self._flat))
+        ]
+        # Allocate first: an allocation failure must leave everything as it was.
         new_grads: list[Tensor | None] = []
+        for flat, members in zip(self._flat, groups):
+            if all(param.grad is None for _, param in members):
+                new_grads.append(None)
+            elif flat.grad is None:
+                new_grads.append(torch.zeros_like(flat, memory_format=torch.contiguous_format))
+            else:
+                new_grads.append(flat.grad)
         with torch.no_grad():
-            for g, (flat, views) in enumerate(zip(self._flat, self._views)):
-                members = [(slot, current[i]) for i, slot in enumerate(self._slots) if slot.group == g]
+            for flat, views, members, flat_grad in zip(self._flat, self._views, groups, new_grads):
                 targets = views.split(flat.detach())
+                grad_targets = None if flat_grad is None else views.split(flat_grad)
                 for slot, param in members:
                     if not same_memory(param, targets[slot.index]):
                         targets[slot.index].copy_(param.detach())
-                grads = [param.grad for _, param in members]
-                flat_grad = flat.grad
-                if all(grad is None for grad in grads):
-                    flat_grad = None
-                else:
-                    if flat_grad is None:
-                        flat_grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-                    grad_targets = views.split(flat_grad)
-                    for (slot, _), grad in zip(members, grads):
-                        target = grad_targets[slot.index]
+                    if grad_targets is not None:
+                        target, grad = grad_targets[slot.index], param.grad
                         if grad is None:
                             target.zero_()
                         elif not same_memory(grad, target):
                             target.copy_(grad)
-                new_grads.append(flat_grad)
         # Commit: dictionary updates only, nothing below can fail.
         for flat, grad in zip(self._flat, new_grads):
             flat.grad = grad
@@ -533,7 +540,7 @@ class FlatStorage:
                 "(inside unflattened() or after unflatten()); call flatten() first"
             )
         items = [t.contiguous() for t in self._per_group(flat_tensors, "using()", exact=True)]
-        params = self.module._parameters
+        params: dict[str, Any] = self.module._parameters
         saved = [params[name] for name in self._flat_names]
         for name, tensor in zip(self._flat_names, items):
             params[name] = tensor
@@ -583,9 +590,7 @@ class FlatStorage:
 
     def _apply(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
         if self._using:
-            raise RuntimeError(
-                "cannot convert or move the module inside storage.using(...); leave it first"
-            )
+            raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
         was_flat = self._flattened
         self.flatten()
         try:
@@ -609,9 +614,7 @@ class FlatStorage:
             for views, index, source in loaded:
                 targets[id(views)][index].copy_(source)
 
-    def _load_state_dict(
-        self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool
-    ) -> Any:
+    def _load_state_dict(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         was_flat = self._flattened
@@ -683,11 +686,9 @@ class FlatStorage:
             for key, owner in owners.items():
                 saved = list(owner._parameters.items())
                 previous = type(owner)
-                undo.append(_restore_params(owner, saved))
+                undo.append(_restore_module_undo(owner, saved, previous))
                 owner.__dict__[MODULE_STATE_ATTR] = ModuleState(self, [k for k, _ in saved], previous)
-                undo.append(lambda owner=owner: owner.__dict__.pop(MODULE_STATE_ATTR, None))
                 owner.__class__ = classes[key]
-                undo.append(lambda owner=owner, previous=previous: setattr(owner, "__class__", previous))
             for slot in self._slots:
                 views = self._views[slot.group]
                 for name in slot.all_names:
@@ -696,13 +697,13 @@ class FlatStorage:
                     if attr in state.slots:  # the same module reached under two paths
                         continue
                     original = owner._parameters.pop(attr)
+                    assert original is not None
                     register_view(owner, attr, views, slot.index, name, original, undo.append)
                     add_property(type(owner), attr)
                     state.slots[attr] = (views, slot.index)
             for name, flat in zip(self._flat_names, self._flat):
                 root.register_parameter(name, flat)
             root.__dict__[STORAGE_ATTR] = self
-            undo.append(lambda: root.__dict__.pop(STORAGE_ATTR, None))
         except BaseException:
             for step in reversed(undo):
                 step()
@@ -743,14 +744,20 @@ class FlatStorage:
         new = FlatStorage.__new__(FlatStorage)
         memo[id(self)] = new
         root = self._root_ref()
-        new_root = memo.get(id(root), root)
-        new._root_ref = weakref.ref(new_root)
+        new_root: nn.Module | None = memo.get(id(root), root)
+        new._root_ref = weakref.ref(new_root) if new_root is not None else self._root_ref
         new._group_names = list(self._group_names)
         new._flat_names = list(self._flat_names)
         new._views = copy.deepcopy(self._views, memo)
         new._flat = [copy.deepcopy(f, memo) for f in self._flat]
         new._slots = [
-            _Slot(s.name, s.aliases, s.group, s.index, memo[id(s.param)] if id(s.param) in memo else _placeholder(s.param))
+            _Slot(
+                s.name,
+                s.aliases,
+                s.group,
+                s.index,
+                memo[id(s.param)] if id(s.param) in memo else _placeholder(s.param),
+            )
             for s in self._slots
         ]
         new._align = self._align
@@ -761,8 +768,7 @@ class FlatStorage:
 
     def __getstate__(self) -> None:
         raise RuntimeError(
-            "a FlatStorage cannot be pickled; save module.state_dict() or "
-            "storage.flat_state_dict() instead"
+            "a FlatStorage cannot be pickled; save module.state_dict() or storage.flat_state_dict() instead"
         )
 
     def __repr__(self) -> str:
@@ -797,8 +803,13 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
 
 
-def _restore_params(owner: nn.Module, saved: list[tuple[str, Any]]) -> Callable[[], None]:
+def _restore_module_undo(owner: nn.Module, saved: list[tuple[str, Any]], previous: type) -> Callable[[], None]:
+    """Return the undo step of installing on ``owner``: parameters, state, class, storage."""
+
     def restore() -> None:
+        owner.__class__ = previous
+        owner.__dict__.pop(MODULE_STATE_ATTR, None)
+        owner.__dict__.pop(STORAGE_ATTR, None)
         owner._parameters.clear()
         owner._parameters.update(saved)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,7 @@ class GroupViews:
         layout: the group's layout.
     """
 
-    __slots__ = ("params", "flat_name", "layout", "_tls", "_split", "_segments", "_shapes")
+    __slots__ = ("_segments", "_shapes", "_split", "_tls", "flat_name", "layout", "params")
 
     def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
         self.params = params
@@ -87,14 +87,12 @@ class GroupViews:
         if _is_compiling():
             # Compiled code must see plain tensor ops: no cache, no version guard.
             layout = self.layout
-            return flat.narrow(0, layout.offsets[index], layout.numels[index]).view(
-                self._shapes[index]
-            )
+            return flat.narrow(0, layout.offsets[index], layout.numels[index]).view(self._shapes[index])
         if _is_grad_enabled():
             key = 1
         else:
             key = 2 if _is_inference() else 0
-        cache = self._tls.__dict__
+        cache: dict[Any, Any] = self._tls.__dict__
         entry = cache.get(key)
         if entry is None or entry[0] is not flat or entry[1] != flat._version:
             return self._rebuild(flat, key, cache, index)
@@ -109,7 +107,7 @@ class GroupViews:
             view = views[index] = entry[3][self._segments[index]].view(self._shapes[index])
         return view
 
-    def _rebuild(self, flat: Tensor, key: int, cache: dict[int, Any], index: int) -> Tensor:
+    def _rebuild(self, flat: Tensor, key: int, cache: dict[Any, Any], index: int) -> Tensor:
         chunks = flat.split(self._split)
         try:
             ptr = flat.data_ptr()
@@ -221,10 +219,12 @@ class FlatViewList(ParametrizationList):
     """A ``ParametrizationList`` holding one :class:`FlatView` and no original tensor."""
 
     def _refuse(self, *args: Any) -> None:
+        name = self.__dict__.get("_qualified_name", "a flattened attribute")
         raise RuntimeError(
-            "cannot add a parametrization on top of a flattened attribute: "
-            "register other parametrizations before register_flat_storage (their "
-            "original tensors are then flattened), or call remove_flat_storage first"
+            f"cannot add a parametrization on top of {name}: "
+            "it is a view of a flat storage; register other parametrizations before "
+            "register_flat_storage (their original tensors are then flattened), or call "
+            "remove_flat_storage first"
         )
 
     append = _refuse  # type: ignore[assignment]
@@ -259,23 +259,39 @@ class HiddenParametrizations(nn.ModuleDict):
         state = {k: v for k, v in self.__dict__.items() if k != "_owner"}
         new.__dict__.update(copy.deepcopy(state, memo))
         owner = self.__dict__["_owner"]()
-        new.__dict__["_owner"] = weakref.ref(memo.get(id(owner), owner)) if owner is not None else (lambda: None)
+        new.__dict__["_owner"] = (
+            weakref.ref(memo.get(id(owner), owner)) if owner is not None else (lambda: None)
+        )
         return new
 
 
 def register_view(
-    module: nn.Module, name: str, group: GroupViews, index: int, qualified_name: str,
-    original: Tensor, on_undo: Callable[[Callable[[], None]], None],
+    module: nn.Module,
+    name: str,
+    group: GroupViews,
+    index: int,
+    qualified_name: str,
+    original: Tensor,
+    on_undo: Callable[[Callable[[], None]], None],
 ) -> None:
     """Install the parametrization of ``module.<name>`` (the class must already be ours)."""
     view = FlatView(group, index, qualified_name)
     plist = FlatViewList([view], original, unsafe=True)
-    container = module.__dict__.get("parametrizations")
-    if container is None and "parametrizations" not in module._modules:
+    plist.__dict__["_qualified_name"] = qualified_name
+    container: nn.ModuleDict
+    if "parametrizations" not in module.__dict__ and "parametrizations" not in module._modules:
         container = HiddenParametrizations(module)
         module.__dict__["parametrizations"] = container
-        on_undo(lambda: module.__dict__.pop("parametrizations", None))
+
+        def drop_container() -> None:
+            module.__dict__.pop("parametrizations", None)
+
+        on_undo(drop_container)
     else:
-        container = getattr(module, "parametrizations")
+        container = cast(nn.ModuleDict, module.parametrizations)
     container[name] = plist
-    on_undo(lambda: container._modules.pop(name, None))
+
+    def drop_entry() -> None:
+        container._modules.pop(name, None)
+
+    on_undo(drop_entry)

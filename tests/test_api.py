@@ -82,7 +82,12 @@ def test_group_forms_list_nested_dict_and_items():
 
     storage = register_flat_storage(model, {"decay": ["*.weight"], "no_decay": model[0].bias})
     assert storage.group_names == ["decay", "no_decay"]
-    assert [n for n, _ in model.named_parameters()] == ["flat_param_decay", "flat_param_no_decay", "2.bias", "4.bias"]
+    assert [n for n, _ in model.named_parameters()] == [
+        "flat_param_decay",
+        "flat_param_no_decay",
+        "2.bias",
+        "4.bias",
+    ]
 
 
 def test_generator_of_parameters_is_one_group():
@@ -240,7 +245,7 @@ def test_registration_is_atomic_when_a_late_step_fails(monkeypatch):
     for fail_at in range(4):
         calls = {"n": 0}
 
-        def flaky(*args, **kwargs):
+        def flaky(*args, calls=calls, fail_at=fail_at, **kwargs):
             if calls["n"] == fail_at:
                 raise RuntimeError("injected failure")
             calls["n"] += 1

@@ -19,7 +19,9 @@ def _flat_ptr_range(storage) -> range:
     return range(flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
 
 
-@pytest.mark.parametrize("factory", [WithOwnParam, TiedLM, lambda: nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))])
+@pytest.mark.parametrize(
+    "factory", [WithOwnParam, TiedLM, lambda: nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))]
+)
 def test_state_dict_has_the_plain_keys_in_plain_order(factory):
     """state_dict() of the flattened module equals the plain module's keys, in order."""
     model = factory()
@@ -120,7 +122,7 @@ def test_load_state_dict_is_atomic_on_a_late_missing_key():
     before = values(model)
     sd = {k: torch.full_like(v, 9) for k, v in before.items()}
     del sd["bn.running_var"]
-    with pytest.raises(RuntimeError, match='Missing key.*"bn.running_var"'):
+    with pytest.raises(RuntimeError, match=r'Missing key.*"bn\.running_var"'):
         model.load_state_dict(sd)
     after = values(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -134,7 +136,7 @@ def test_load_state_dict_is_atomic_on_a_wrong_shape():
     sd = {k: torch.full_like(v, 9) for k, v in before.items()}
     sd["bn.bias"] = torch.zeros(4)
     for strict in (True, False):
-        with pytest.raises(RuntimeError, match="size mismatch for bn.bias"):
+        with pytest.raises(RuntimeError, match=r"size mismatch for bn\.bias"):
             model.load_state_dict(sd, strict=strict)
         after = values(model)
         assert all(torch.equal(before[k], after[k]) for k in before)

@@ -18,7 +18,9 @@ def test_param_infos_describe_every_slot():
     infos = storage.param_infos
     assert all(isinstance(i, ParamInfo) for i in infos)
     assert [i.name for i in infos] == ["embed.weight", "norm.weight", "norm.bias", "body.weight", "body.bias"]
-    assert infos[0] == ParamInfo("embed.weight", ("head.weight",), "0", 0, 66, torch.Size([11, 6]), torch.float32)
+    assert infos[0] == ParamInfo(
+        "embed.weight", ("head.weight",), "0", 0, 66, torch.Size([11, 6]), torch.float32
+    )
     assert [i.offset for i in infos] == [0, 66, 72, 78, 114]
 
 
@@ -193,7 +195,10 @@ def test_views_of_maps_external_tensors_by_name():
     exp_avg = opt.state[storage["0"]]["exp_avg"]
     views = storage.views_of([exp_avg])
     assert list(views) == ["embed.weight", "norm.weight", "norm.bias", "body.weight", "body.bias"]
-    assert views["body.weight"].shape == (6, 6) and views["body.weight"].data_ptr() == exp_avg.data_ptr() + 78 * 4
+    assert (
+        views["body.weight"].shape == (6, 6)
+        and views["body.weight"].data_ptr() == exp_avg.data_ptr() + 78 * 4
+    )
     assert "head.weight" in storage.views_of({"0": exp_avg.double()}, remove_duplicate=False)
 
 
