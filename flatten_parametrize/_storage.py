@@ -14,9 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from ._classes import _METHODS, ModuleState, add_property, make_class
+from ._distributed import DistributedMixin
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._layout import GroupLayout
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
+from ._offload import OffloadMixin
 from ._state_dict import Snapshot, layout_record
 from ._views import GroupViews, HiddenParametrizations, register_view, same_memory
 
@@ -78,7 +80,7 @@ def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
     params.update(items)
 
 
-class FlatStorage:
+class FlatStorage(DistributedMixin, OffloadMixin):
     """The coordinator of a module's flat parameters, returned by ``register_flat_storage``.
 
     It owns one :class:`FlatParameter` per group (registered on the module as
@@ -803,7 +805,9 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
 
 
-def _restore_module_undo(owner: nn.Module, saved: list[tuple[str, Any]], previous: type) -> Callable[[], None]:
+def _restore_module_undo(
+    owner: nn.Module, saved: list[tuple[str, Any]], previous: type
+) -> Callable[[], None]:
     """Return the undo step of installing on ``owner``: parameters, state, class, storage."""
 
     def restore() -> None:
