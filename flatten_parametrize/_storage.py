@@ -800,6 +800,18 @@ class FlatStorage(DistributedMixin, OffloadMixin):
 
         return storage_html(self)
 
+    def plot_layout(self, **kwargs: Any) -> Any:
+        """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
+
+        See :func:`flatten_parametrize._plot.plot_layout` for the arguments.
+
+        Returns:
+            A ``matplotlib.figure.Figure``.
+        """
+        from ._plot import plot_layout
+
+        return plot_layout(self, **kwargs)
+
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
