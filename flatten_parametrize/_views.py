@@ -94,7 +94,12 @@ class GroupViews:
             key = 2 if _is_inference() else 0
         cache: dict[Any, Any] = self._tls.__dict__
         entry = cache.get(key)
-        if entry is None or entry[0] is not flat or entry[1] != flat._version:
+        if (
+            entry is None
+            or entry[0] is not flat
+            or entry[1] != flat._version
+            or entry[5] is not flat.requires_grad
+        ):
             return self._rebuild(flat, key, cache, index)
         try:
             if entry[2] != flat.data_ptr():
@@ -115,7 +120,7 @@ class GroupViews:
             return chunks[self._segments[index]].view(self._shapes[index])
         views: list[Tensor | None] = [None] * len(self._shapes)
         view = views[index] = chunks[self._segments[index]].view(self._shapes[index])
-        cache[key] = (flat, flat._version, ptr, chunks, views)
+        cache[key] = (flat, flat._version, ptr, chunks, views, flat.requires_grad)
         return view
 
     def all_views(self) -> list[Tensor]:

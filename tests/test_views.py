@@ -275,3 +275,15 @@ def test_deepcopy_after_use_does_not_copy_cached_views():
     assert storage is not None
     clone(torch.randn(2, 5)).sum().backward()
     assert storage["0"].grad is None or storage["0"].grad.shape == storage["0"].shape
+
+
+def test_freezing_the_flat_parameter_reaches_cached_views():
+    """requires_grad_(False) on a flat parameter stops views (and outputs) from requiring grad."""
+    layer = nn.Linear(4, 2)
+    storage = register_flat_storage(layer)
+    x = torch.randn(3, 4)
+    layer(x).sum().backward()
+    storage["0"].requires_grad_(False)
+    assert not layer.weight.requires_grad and not layer(x).requires_grad
+    storage["0"].requires_grad_(True)
+    assert layer(x).requires_grad
