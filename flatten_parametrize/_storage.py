@@ -15,12 +15,20 @@ from torch import Tensor, nn
 
 from ._classes import _METHODS, ModuleState, add_property, make_class
 from ._distributed import DistributedMixin
+from ._functional import FunctionalMixin
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._layout import GroupLayout
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
 from ._offload import OffloadMixin
 from ._state_dict import Snapshot, layout_record
-from ._views import GroupViews, HiddenParametrizations, register_view, same_memory
+from ._views import (
+    GroupViews,
+    HiddenParametrizations,
+    end_trace_split,
+    register_view,
+    same_memory,
+    trace_split,
+)
 
 __all__ = ["FlatStorage", "ParamInfo", "FlatTensors"]
 
@@ -80,7 +88,7 @@ def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
     params.update(items)
 
 
-class FlatStorage(DistributedMixin, OffloadMixin):
+class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
     """The coordinator of a module's flat parameters, returned by ``register_flat_storage``.
 
     It owns one :class:`FlatParameter` per group (registered on the module as
@@ -120,6 +128,7 @@ class FlatStorage(DistributedMixin, OffloadMixin):
         self._flattened = True
         self._using = 0
         self._pending: list[tuple[GroupViews, int, Tensor]] | None = None
+        self._hooks: list[int] = []
 
     # ------------------------------------------------------------------ basics
     @property
@@ -705,6 +714,11 @@ class FlatStorage(DistributedMixin, OffloadMixin):
                     state.slots[attr] = (views, slot.index)
             for name, flat in zip(self._flat_names, self._flat):
                 root.register_parameter(name, flat)
+            undo.append(self._remove_hooks)
+            self._hooks = [
+                root.register_forward_pre_hook(trace_split).id,
+                root.register_forward_hook(end_trace_split).id,
+            ]
             root.__dict__[STORAGE_ATTR] = self
         except BaseException:
             for step in reversed(undo):
@@ -718,6 +732,13 @@ class FlatStorage(DistributedMixin, OffloadMixin):
         if module is None:
             raise RuntimeError("the module of this flat storage was garbage collected")
         return module
+
+    def _remove_hooks(self) -> None:
+        root = self.module_unchecked
+        for hook_id in self._hooks:
+            root._forward_pre_hooks.pop(hook_id, None)
+            root._forward_hooks.pop(hook_id, None)
+        self._hooks = []
 
     def _remove(self) -> None:
         """Undo the registration: plain parameters with the current values (atomic)."""
@@ -738,6 +759,7 @@ class FlatStorage(DistributedMixin, OffloadMixin):
             root._parameters.pop(name, None)
         for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
             _restore_module(owner, self._slots, modules)
+        self._remove_hooks()
         root.__dict__.pop(STORAGE_ATTR, None)
         self._flattened = False
         self._invalidate()
@@ -766,6 +788,7 @@ class FlatStorage(DistributedMixin, OffloadMixin):
         new._flattened = self._flattened
         new._using = 0
         new._pending = None
+        new._hooks = list(self._hooks)
         return new
 
     def __getstate__(self) -> None:

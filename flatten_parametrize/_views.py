@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn.utils.parametrize import ParametrizationList
 
 from ._layout import GroupLayout
-from ._names import MODULE_STATE_ATTR
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
 
 __all__ = [
     "GroupViews",
@@ -62,7 +62,7 @@ class GroupViews:
         layout: the group's layout.
     """
 
-    __slots__ = ("_segments", "_shapes", "_split", "_tls", "flat_name", "layout", "params")
+    __slots__ = ("_segments", "_shapes", "_split", "_tls", "_traced", "flat_name", "layout", "params")
 
     def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
         self.params = params
@@ -72,6 +72,7 @@ class GroupViews:
         self._segments = layout.segments
         self._shapes = layout.shapes
         self._tls = threading.local()
+        self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
 
     def invalidate(self) -> None:
         """Drop every thread's cached views (they hold the old flat tensor alive)."""
@@ -85,9 +86,14 @@ class GroupViews:
         """Return slot ``index`` as a view of the current flat tensor."""
         flat = self.params[self.flat_name]
         if _is_compiling():
-            # Compiled code must see plain tensor ops: no cache, no version guard.
-            layout = self.layout
-            return flat.narrow(0, layout.offsets[index], layout.numels[index]).view(self._shapes[index])
+            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
+            # registered module's forward the group was split once (see ``trace_split``).
+            traced = self._traced
+            if traced is not None and traced[0] is flat:
+                chunks = traced[1]
+            else:
+                chunks = flat.split(self._split)
+            return chunks[self._segments[index]].view(self._shapes[index])
         if _is_grad_enabled():
             key = 1
         else:
@@ -142,6 +148,7 @@ class GroupViews:
         new._segments = self._segments
         new._shapes = self._shapes
         new._tls = threading.local()
+        new._traced = None
         return new
 
     def __getstate__(self) -> None:
@@ -150,6 +157,26 @@ class GroupViews:
             "registration); save module.state_dict() or storage.flat_state_dict() "
             "instead, or call remove_flat_storage first"
         )
+
+
+def trace_split(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the registered module: under torch.compile, split each group once.
+
+    Every view that the traced forward reads then comes from that one split, so
+    the compiled backward builds each flat gradient with one ``cat``. In eager
+    mode it does nothing (the per-thread cache plays that role).
+    """
+    if _is_compiling():
+        for group in module.__dict__[STORAGE_ATTR]._views:
+            flat = group.params[group.flat_name]
+            group._traced = (flat, flat.split(group._split))
+
+
+def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
+    if _is_compiling():
+        for group in module.__dict__[STORAGE_ATTR]._views:
+            group._traced = None
 
 
 def _assignment_error(module: nn.Module, name: str) -> RuntimeError:
