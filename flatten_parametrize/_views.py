@@ -1,12 +1,14 @@
 """The hot path: serving ``module.weight`` as a view of the group's flat tensor.
 
-One :class:`GroupViews` per group splits whatever tensor is currently
-registered as the group's flat parameter *once* per pass (per thread, per
-grad mode) and hands out reshaped chunks of that single ``split``, so that
+One :class:`GroupViews` per group makes every view of a group *at once* per
+pass (per thread, per grad mode) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
-parameter. The cache is rebuilt whenever the flat tensor is replaced, changed
-in place (``_version``), re-backed (``.data`` swap, ``module.to()``), or read
-under another grad or inference mode.
+parameter. In grad mode the views are the outputs of one autograd node
+(``_GroupSplit``) whose backward concatenates their gradients into the flat
+gradient; without grad they come from one ``split``. The cache is rebuilt
+whenever the flat tensor is replaced, changed in place (``_version``),
+re-backed (``.data`` swap, ``module.to()``), frozen or unfrozen, or read under
+another grad or inference mode.
 """
 
 from __future__ import annotations
@@ -119,14 +121,23 @@ class GroupViews:
         return view
 
     def _rebuild(self, flat: Tensor, key: int, cache: dict[Any, Any], index: int) -> Tensor:
-        chunks = flat.split(self._split)
         try:
             ptr = flat.data_ptr()
         except RuntimeError:  # vmap's batched tensors have no storage: never cache them
-            return chunks[self._segments[index]].view(self._shapes[index])
-        views: list[Tensor | None] = [None] * len(self._shapes)
-        view = views[index] = chunks[self._segments[index]].view(self._shapes[index])
+            return flat.split(self._split)[self._segments[index]].view(self._shapes[index])
+        views: list[Tensor | None]
+        if key == 1 and flat.requires_grad:
+            # One autograd node for the whole group: backward concatenates the
+            # gradients of every view into the flat gradient in one go.
+            chunks = None
+            views = list(_GroupSplit.apply(flat, self))
+        else:
+            chunks = flat.split(self._split)
+            views = [None] * len(self._shapes)
         cache[key] = (flat, flat._version, ptr, chunks, views, flat.requires_grad)
+        view = views[index]
+        if view is None:
+            view = views[index] = chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
 
     def all_views(self) -> list[Tensor]:
@@ -157,6 +168,36 @@ class GroupViews:
             "registration); save module.state_dict() or storage.flat_state_dict() "
             "instead, or call remove_flat_storage first"
         )
+
+
+class _GroupSplit(torch.autograd.Function):
+    """All views of a group as the outputs of one autograd node."""
+
+    @staticmethod
+    def forward(flat: Tensor, group: GroupViews) -> tuple[Tensor, ...]:  # type: ignore[override]
+        chunks = flat.split(group._split)
+        return tuple(chunks[seg].view(shape) for seg, shape in zip(group._segments, group._shapes))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        flat, group = inputs
+        ctx.group = group
+        ctx.like = (flat.dtype, flat.device)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None]:  # type: ignore[override]
+        group: GroupViews = ctx.group
+        dtype, device = ctx.like
+        sizes = group._split
+        pieces: list[Tensor | None] = [None] * len(sizes)
+        for seg, grad in zip(group._segments, grads):
+            pieces[seg] = grad
+        full = [
+            piece if piece is not None else torch.zeros(size, dtype=dtype, device=device)
+            for piece, size in zip(pieces, sizes)
+        ]
+        return torch._C._nn.flatten_dense_tensors(full), None
 
 
 def trace_split(module: nn.Module, args: Any) -> None:
