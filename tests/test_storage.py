@@ -214,3 +214,16 @@ def test_named_views_and_grads_follow_the_mode():
         views = dict(storage.named_views())
         assert views["0.weight"] is model[0].weight
         assert dict(storage.named_grads())["0.bias"] is model[0].bias.grad
+
+
+def test_toggling_keeps_the_same_classes():
+    """flatten/unflatten never mint new classes: each module keeps one class object."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    classes = [type(m) for m in model.modules()]
+    for _ in range(3):
+        storage.unflatten()
+        assert [type(m) for m in model.modules()] == classes
+        storage.flatten()
+    assert [type(m) for m in model.modules()] == classes
+    assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "Linear"
