@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from ._classes import _METHODS, ModuleState, add_property, make_class
 from ._distributed import DistributedMixin
-from ._functional import FunctionalMixin
 from ._flat_parameter import FlatParameter, _as_flat_parameter
+from ._functional import FunctionalMixin
 from ._layout import GroupLayout
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
 from ._offload import OffloadMixin
@@ -598,14 +598,22 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
                 flat = _as_flat_parameter(param, **self._layout_of(g))
                 params[name] = self._flat[g] = flat
         self._refresh_originals()
+        self._forget_stale_files()  # a converted or moved buffer left its offload file
 
     def _apply(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
         if self._using:
             raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
         was_flat = self._flattened
         self.flatten()
+
+        def convert(tensor: Tensor) -> Any:
+            # A no-op conversion returns the FlatParameter itself, which torch cannot
+            # re-wrap in a Parameter when it replaces parameters; hand it a plain view.
+            out = fn(tensor)
+            return out.detach() if type(out) is FlatParameter else out
+
         try:
-            return base(fn, recurse)
+            return base(convert, recurse)
         finally:
             self._adopt_flat_params()
             if not was_flat:
@@ -763,6 +771,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         root.__dict__.pop(STORAGE_ATTR, None)
         self._flattened = False
         self._invalidate()
+        self._release_files()  # values are in RAM now: delete the offload files
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         new = FlatStorage.__new__(FlatStorage)
