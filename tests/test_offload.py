@@ -473,9 +473,6 @@ def test_offload_to_read_only_directory_raises_and_keeps_weights(tmp_path, monke
     assert _listing(tmp_path) == []
 
 
-assert _listing(tmp_path) == []
-
-
 def test_offload_refuses_when_free_space_is_too_small(tmp_path, monkeypatch):
     """A disk without room for the buffers is refused before writing (ENOSPC)."""
     model = mlp()
