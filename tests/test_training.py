@@ -71,3 +71,27 @@ def test_checkpoint_mid_training_moves_between_plain_and_flattened():
     for (key, a), (_, b) in zip(back.state_dict().items(), plain.state_dict().items()):
         torch.testing.assert_close(a, b, msg=key)
     assert get_flat_storage(model) is not None
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_plain_gradients(reentrant):
+    """torch.utils.checkpoint (reentrant or not) over flattened layers gives the plain gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), self.a(x), use_reentrant=reentrant)
+            return self.c(h)
+
+    plain = Net()
+    model = twin(plain)
+    storage = register_flat_storage(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    for name, grad in storage.named_grads():
+        torch.testing.assert_close(grad, plain.get_parameter(name).grad, msg=name)
