@@ -8,6 +8,7 @@ names are unchanged.
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._flat_parameter import FlatParameter
+from ._optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
@@ -17,6 +18,9 @@ __all__ = [
     "register_flat_storage",
     "get_flat_storage",
     "remove_flat_storage",
+    # optimizer state between the plain and the flattened model
+    "flat_optim_state_dict",
+    "plain_optim_state_dict",
     # types
     "FlatStorage",
     "FlatParameter",

@@ -575,9 +575,24 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             splits = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
         for slot in self._slots:
             target = splits[slot.group][slot.index]
-            if not same_memory(slot.param, target):
+            if same_memory(slot.param, target):
+                continue
+            if torch._has_compatible_shallow_copy_type(slot.param, target):
                 slot.param.data = target
+            else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
+                replacement = nn.Parameter(target, requires_grad=slot.param.requires_grad)
+                torch.utils.swap_tensors(slot.param, replacement)
         self._invalidate()
+
+    def _zero_padding(self) -> None:
+        with torch.no_grad():
+            for flat, views in zip(self._flat, self._views):
+                layout = views.layout
+                if layout.padding and not flat.is_meta:
+                    chunks = flat.detach().split(layout.split_sizes)
+                    for segment, chunk in enumerate(chunks):
+                        if segment not in layout.segments:
+                            chunk.zero_()
 
     def _layout_of(self, group: int) -> dict[str, Any]:
         layout = self._views[group].layout
@@ -597,6 +612,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             if isinstance(param, Tensor) and (param is not self._flat[g] or type(param) is not FlatParameter):
                 flat = _as_flat_parameter(param, **self._layout_of(g))
                 params[name] = self._flat[g] = flat
+        self._zero_padding()  # e.g. to_empty() leaves garbage there
         self._refresh_originals()
         self._forget_stale_files()  # a converted or moved buffer left its offload file
 
