@@ -21,6 +21,7 @@ from ._layout import GroupLayout
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
 from ._offload import OffloadMixin
 from ._state_dict import Snapshot, layout_record
+from ._transaction import Transaction, atomically
 from ._views import (
     GroupViews,
     HiddenParametrizations,
@@ -394,6 +395,11 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             >>> storage.is_flattened
             True
         """
+        if not self._flattened:
+            atomically(self._flatten)
+
+    def _flatten(self, tx: Transaction) -> None:
+        """Flatten as part of ``tx`` (a no-op in flat mode)."""
         if self._flattened:
             return
         root = self.module
@@ -403,42 +409,44 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             [(slot, current[i]) for i, slot in enumerate(self._slots) if slot.group == g]
             for g in range(len(self._flat))
         ]
-        # Allocate first: an allocation failure must leave everything as it was.
         new_grads: list[Tensor | None] = []
-        for flat, members in zip(self._flat, groups):
-            if all(param.grad is None for _, param in members):
+        for flat, views, members in zip(self._flat, self._views, groups):
+            grads = [param.grad for _, param in members]
+            if all(grad is None for grad in grads):
                 new_grads.append(None)
-            elif flat.grad is None:
-                new_grads.append(torch.zeros_like(flat, memory_format=torch.contiguous_format))
-            else:
-                new_grads.append(flat.grad)
-        with torch.no_grad():
-            for flat, views, members, flat_grad in zip(self._flat, self._views, groups, new_grads):
-                targets = views.split(flat.detach())
-                grad_targets = None if flat_grad is None else views.split(flat_grad)
-                for slot, param in members:
-                    if not same_memory(param, targets[slot.index]):
-                        targets[slot.index].copy_(param.detach())
-                    if grad_targets is not None:
-                        target, grad = grad_targets[slot.index], param.grad
-                        if grad is None:
-                            target.zero_()
-                        elif not same_memory(grad, target):
-                            target.copy_(grad)
-        # Commit: dictionary updates only, nothing below can fail.
+                continue
+            flat_grad = flat.grad
+            fresh = flat_grad is None
+            if flat_grad is None:
+                flat_grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+            targets = views.split(flat_grad)
+            for (slot, _), grad in zip(members, grads):
+                target = targets[slot.index]
+                if fresh and grad is not None:
+                    target.copy_(grad)  # a new buffer: nothing to undo
+                elif not fresh and (grad is None or not same_memory(grad, target)):
+                    tx.write(target, grad)
+            new_grads.append(flat_grad)
+        for flat, views, members in zip(self._flat, self._views, groups):
+            targets = views.split(flat.detach())
+            for slot, param in members:
+                if not same_memory(param, targets[slot.index]):
+                    tx.write(targets[slot.index], param.detach())
         for flat, grad in zip(self._flat, new_grads):
-            flat.grad = grad
+            tx.set_attr(flat, "grad", grad)
         for i, slot in enumerate(self._slots):
             param = current[i]
-            param.grad = None
-            slot.param = param
+            tx.set_attr(param, "grad", None)
+            tx.set_attr(slot, "param", param)
             for name in slot.all_names:
                 owner, attr = _locate(modules, name)
+                tx.keep_dict(owner._parameters)
                 owner._parameters.pop(attr, None)
+        tx.keep_dict(root._parameters)
         for name, flat in zip(self._flat_names, self._flat):
             root._parameters[name] = flat
-        self._flattened = True
-        self._refresh_originals()
+        tx.set_attr(self, "_flattened", True)
+        self._refresh_originals(tx)
 
     def unflatten(self) -> None:
         """Switch to unflattened mode: every attribute is a real leaf ``nn.Parameter``.
@@ -467,30 +475,31 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
                 "cannot unflatten inside storage.using(...): the views are served from the "
                 "given tensors; leave the using() block first"
             )
+        atomically(self._unflatten)
+        self._invalidate()
+
+    def _unflatten(self, tx: Transaction) -> None:
         root = self.module
         modules = self._modules()
-        self._refresh_originals()
+        self._refresh_originals(tx)
+        grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
         for slot in self._slots:
-            flat = self._flat[slot.group]
-            slot.param.requires_grad_(flat.requires_grad)
-        for flat, views in zip(self._flat, self._views):
-            if flat.grad is not None:
-                grads = views.split(flat.grad)
-                for slot in self._slots:
-                    if views is self._views[slot.group]:
-                        slot.param.grad = grads[slot.index]
+            flat, split = self._flat[slot.group], grads[slot.group]
+            tx.set_attr(slot.param, "requires_grad", flat.requires_grad)
+            tx.set_attr(slot.param, "grad", None if split is None else split[slot.index])
+        tx.keep_dict(root._parameters)
         for name in self._flat_names:
             root._parameters.pop(name, None)
         touched = {}
         for slot in self._slots:
             for name in slot.all_names:
                 owner, attr = _locate(modules, name)
+                tx.keep_dict(owner._parameters)
                 owner._parameters[attr] = slot.param
                 touched[id(owner)] = owner
         for owner in touched.values():
             _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)
-        self._flattened = False
-        self._invalidate()
+        tx.set_attr(self, "_flattened", False)
 
     @contextmanager
     def unflattened(self) -> Iterator[FlatStorage]:
@@ -569,8 +578,9 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         for views in self._views:
             views.invalidate()
 
-    def _refresh_originals(self) -> None:
+    def _refresh_originals(self, tx: Transaction | None = None) -> None:
         """Point the original parameter objects at their slots (frees any old buffer)."""
+        tx = tx if tx is not None else Transaction()
         with torch.no_grad():
             splits = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
         for slot in self._slots:
@@ -578,10 +588,9 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             if same_memory(slot.param, target):
                 continue
             if torch._has_compatible_shallow_copy_type(slot.param, target):
-                slot.param.data = target
+                tx.set_attr(slot.param, "data", target)
             else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
-                replacement = nn.Parameter(target, requires_grad=slot.param.requires_grad)
-                torch.utils.swap_tensors(slot.param, replacement)
+                tx.swap_tensors(slot.param, nn.Parameter(target, requires_grad=slot.param.requires_grad))
         self._invalidate()
 
     def _zero_padding(self) -> None:
@@ -641,31 +650,35 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         else:
             self._commit(loaded)
 
-    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
+    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]], tx: Transaction | None = None) -> None:
         if not loaded:
             return
         with torch.no_grad():
             targets = {id(v): v.split(f.detach()) for f, v in zip(self._flat, self._views)}
             for views, index, source in loaded:
-                targets[id(views)][index].copy_(source)
+                target = targets[id(views)][index]
+                if tx is None:
+                    target.copy_(source)
+                else:
+                    tx.write(target, source)
 
     def _load_state_dict(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
+        """Load through torch's machinery, then commit the staged slots: all or nothing."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-        was_flat = self._flattened
-        self.flatten()
-        snapshot = Snapshot(self.module, set(map(id, self._flat)))
-        self._pending = []
+        flat_mode = self._flattened
+        snapshot = Snapshot(self.module, set(map(id, self._flat)) if flat_mode else set())
+        self._pending = [] if flat_mode else None
+        tx = Transaction()
         try:
             result = base(state_dict, strict=strict, assign=assign)
-            self._commit(self._pending)
+            self._commit(self._pending or [], tx)
         except BaseException:
+            tx.rollback()
             snapshot.restore()
             raise
         finally:
             self._pending = None
-            if not was_flat:
-                self.unflatten()
         return result
 
     # ------------------------------------------------------------ state dicts
@@ -686,24 +699,35 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             >>> list(storage.flat_state_dict())[:3]
             ['flat_param_0', 'flat_layout_0', '1.running_mean']
         """
-        root = self.module
-        was_flat = self._flattened
-        self.flatten()
-        try:
-            plain = root.state_dict()
-        finally:
-            if not was_flat:
-                self.unflatten()
+        plain = self.module.state_dict()
         out: OrderedDict[str, Any] = OrderedDict()
         out._metadata = getattr(plain, "_metadata", OrderedDict())  # type: ignore[attr-defined]
-        for g, (group, flat) in enumerate(zip(self._group_names, self._flat)):
-            out[flat_param_name(group)] = flat.detach()
+        for g, group in enumerate(self._group_names):
+            out[flat_param_name(group)] = self._current_flat(g, plain)
             out[flat_layout_name(group)] = layout_record(self, g)
         flattened = {name for slot in self._slots for name in slot.all_names}
         for key, value in plain.items():
             if key not in flattened:
                 out[key] = value
         return out
+
+    def _current_flat(self, group: int, plain: Mapping[str, Tensor]) -> Tensor:
+        """Return group's values as one tensor: the flat buffer, or a synced copy if unflattened
+        parameters were reassigned (without changing anything)."""
+        flat = self._flat[group].detach()
+        if self._flattened:
+            return flat
+        targets = self._views[group].split(flat)
+        members = [slot for slot in self._slots if slot.group == group]
+        stale = [s for s in members if not same_memory(plain[s.name], targets[s.index])]
+        if not stale:
+            return flat
+        with torch.no_grad():
+            synced = flat.clone()
+            synced_targets = self._views[group].split(synced)
+            for slot in stale:
+                synced_targets[slot.index].copy_(plain[slot.name])
+        return synced
 
     # ---------------------------------------------------------- registration
     def _install(self) -> None:
@@ -716,14 +740,15 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
                 owner, _ = _locate(modules, name)
                 owners.setdefault(id(owner), owner)
         classes = {key: make_class(owner) for key, owner in owners.items()}
-        undo: list[Callable[[], None]] = []
-        try:
+        grads = self._gather_grads()
+
+        def install(tx: Transaction) -> None:
             for key, owner in owners.items():
-                saved = list(owner._parameters.items())
-                previous = type(owner)
-                undo.append(_restore_module_undo(owner, saved, previous))
-                owner.__dict__[MODULE_STATE_ATTR] = ModuleState(self, [k for k, _ in saved], previous)
-                owner.__class__ = classes[key]
+                order = list(owner._parameters)
+                tx.keep_dict(owner.__dict__)
+                tx.keep_dict(owner._parameters)
+                owner.__dict__[MODULE_STATE_ATTR] = ModuleState(self, order, type(owner))
+                tx.set_attr(owner, "__class__", classes[key])
             for slot in self._slots:
                 views = self._views[slot.group]
                 for name in slot.all_names:
@@ -733,22 +758,43 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
                         continue
                     original = owner._parameters.pop(attr)
                     assert original is not None
-                    register_view(owner, attr, views, slot.index, name, original, undo.append)
+                    register_view(owner, attr, views, slot.index, name, original, tx.on_undo)
                     add_property(type(owner), attr)
                     state.slots[attr] = (views, slot.index)
-            for name, flat in zip(self._flat_names, self._flat):
+            for name, flat, grad in zip(self._flat_names, self._flat, grads):
                 root.register_parameter(name, flat)
-            undo.append(self._remove_hooks)
-            self._hooks = [
-                root.register_forward_pre_hook(trace_split).id,
-                root.register_forward_hook(end_trace_split).id,
-            ]
+                flat.grad = grad
+            for slot in self._slots:
+                tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
+            self._add_hooks(root, tx)
             root.__dict__[STORAGE_ATTR] = self
-        except BaseException:
-            for step in reversed(undo):
-                step()
-            raise
-        self._refresh_originals()
+            self._refresh_originals(tx)
+
+        atomically(install)
+
+    def _gather_grads(self) -> list[Tensor | None]:
+        """Return each group's flat gradient built from its members' current gradients."""
+        grads: list[Tensor | None] = []
+        with torch.no_grad():
+            for group, (flat, views) in enumerate(zip(self._flat, self._views)):
+                members = [slot for slot in self._slots if slot.group == group]
+                if all(slot.param.grad is None for slot in members):
+                    grads.append(None)
+                    continue
+                grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+                targets = views.split(grad)
+                for slot in members:
+                    if slot.param.grad is not None:
+                        targets[slot.index].copy_(slot.param.grad)
+                grads.append(grad)
+        return grads
+
+    def _add_hooks(self, root: nn.Module, tx: Transaction) -> None:
+        tx.keep_dict(root._forward_pre_hooks)
+        tx.keep_dict(root._forward_hooks)
+        hooks = [root.register_forward_pre_hook(trace_split).id]
+        hooks.append(root.register_forward_hook(end_trace_split).id)
+        tx.set_attr(self, "_hooks", hooks)
 
     @property
     def module_unchecked(self) -> nn.Module:
@@ -757,35 +803,42 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             raise RuntimeError("the module of this flat storage was garbage collected")
         return module
 
-    def _remove_hooks(self) -> None:
+    def _remove_hooks(self, tx: Transaction) -> None:
         root = self.module_unchecked
+        tx.keep_dict(root._forward_pre_hooks)
+        tx.keep_dict(root._forward_hooks)
         for hook_id in self._hooks:
             root._forward_pre_hooks.pop(hook_id, None)
             root._forward_hooks.pop(hook_id, None)
-        self._hooks = []
+        tx.set_attr(self, "_hooks", [])
 
     def _remove(self) -> None:
         """Undo the registration: plain parameters with the current values (atomic)."""
-        self.flatten()
         root = self.module
-        modules = self._modules()
-        with torch.no_grad():
-            values = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
-            grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
-            data = [values[s.group][s.index].clone() for s in self._slots]
-            grad = [None if grads[s.group] is None else grads[s.group][s.index].clone() for s in self._slots]  # type: ignore[index]
-        # Commit: nothing below allocates or can fail.
-        for slot, value, slot_grad in zip(self._slots, data, grad):
-            slot.param.data = value
-            slot.param.requires_grad_(self._flat[slot.group].requires_grad)
-            slot.param.grad = slot_grad
-        for name in self._flat_names:
-            root._parameters.pop(name, None)
-        for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
-            _restore_module(owner, self._slots, modules)
-        self._remove_hooks()
-        root.__dict__.pop(STORAGE_ATTR, None)
-        self._flattened = False
+
+        def remove(tx: Transaction) -> None:
+            self._flatten(tx)
+            modules = self._modules()
+            with torch.no_grad():
+                values = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
+                grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
+                data = [values[s.group][s.index].clone() for s in self._slots]
+                grad = [None if (g := grads[s.group]) is None else g[s.index].clone() for s in self._slots]
+            for slot, value, slot_grad in zip(self._slots, data, grad):
+                tx.set_attr(slot.param, "data", value)
+                tx.set_attr(slot.param, "requires_grad", self._flat[slot.group].requires_grad)
+                tx.set_attr(slot.param, "grad", slot_grad)
+            tx.keep_dict(root._parameters)
+            for name in self._flat_names:
+                root._parameters.pop(name, None)
+            for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
+                _restore_module(owner, self._slots, modules, tx)
+            self._remove_hooks(tx)
+            tx.keep_dict(root.__dict__)
+            root.__dict__.pop(STORAGE_ATTR, None)
+            tx.set_attr(self, "_flattened", False)
+
+        atomically(remove)
         self._invalidate()
         self._release_files()  # values are in RAM now: delete the offload files
 
@@ -865,27 +918,18 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
 
 
-def _restore_module_undo(
-    owner: nn.Module, saved: list[tuple[str, Any]], previous: type
-) -> Callable[[], None]:
-    """Return the undo step of installing on ``owner``: parameters, state, class, storage."""
-
-    def restore() -> None:
-        owner.__class__ = previous
-        owner.__dict__.pop(MODULE_STATE_ATTR, None)
-        owner.__dict__.pop(STORAGE_ATTR, None)
-        owner._parameters.clear()
-        owner._parameters.update(saved)
-
-    return restore
-
-
-def _restore_module(owner: nn.Module, slots: Sequence[_Slot], modules: dict[str, nn.Module]) -> None:
+def _restore_module(
+    owner: nn.Module, slots: Sequence[_Slot], modules: dict[str, nn.Module], tx: Transaction
+) -> None:
     """Give ``owner`` back its parameters, its container of parametrizations and its class."""
+    tx.keep_dict(owner.__dict__)
+    tx.keep_dict(owner._parameters)
+    tx.keep_dict(owner._modules)
     state: ModuleState = owner.__dict__.pop(MODULE_STATE_ATTR)
     container = owner.__dict__.get("parametrizations", owner._modules.get("parametrizations"))
-    for attr in state.slots:
-        if container is not None:
+    if container is not None:
+        tx.keep_dict(container._modules)
+        for attr in state.slots:
             container._modules.pop(attr, None)
     for slot in slots:
         for name in slot.all_names:
@@ -901,8 +945,8 @@ def _restore_module(owner: nn.Module, slots: Sequence[_Slot], modules: dict[str,
                 for k, v in type(owner).__dict__.items()
                 if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in _METHODS
             }
-            owner.__class__ = type(state.prev_class.__name__, (state.prev_class,), namespace)
+            tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
             return
         owner.__dict__.pop("parametrizations", None)
         owner._modules.pop("parametrizations", None)
-    owner.__class__ = state.prev_class
+    tx.set_attr(owner, "__class__", state.prev_class)

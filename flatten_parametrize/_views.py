@@ -130,7 +130,7 @@ class GroupViews:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
-            views = list(_GroupSplit.apply(flat, self))
+            views = list(_GroupSplit.apply(flat, self.layout))
         else:
             chunks = flat.split(self._split)
             views = [None] * len(self._shapes)
@@ -171,27 +171,32 @@ class GroupViews:
 
 
 class _GroupSplit(torch.autograd.Function):
-    """All views of a group as the outputs of one autograd node."""
+    """All views of a group as the outputs of one autograd node.
+
+    The node keeps only the (immutable) layout: a reference to anything that
+    holds the cached views would make a cycle through the C++ autograd graph
+    that Python's garbage collector cannot see, and leak the flat buffer.
+    """
 
     @staticmethod
-    def forward(flat: Tensor, group: GroupViews) -> tuple[Tensor, ...]:  # type: ignore[override]
-        chunks = flat.split(group._split)
-        return tuple(chunks[seg].view(shape) for seg, shape in zip(group._segments, group._shapes))
+    def forward(flat: Tensor, layout: GroupLayout) -> tuple[Tensor, ...]:  # type: ignore[override]
+        chunks = flat.split(layout.split_sizes)
+        return tuple(chunks[seg].view(shape) for seg, shape in zip(layout.segments, layout.shapes))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        flat, group = inputs
-        ctx.group = group
+        flat, layout = inputs
+        ctx.layout = layout
         ctx.like = (flat.dtype, flat.device)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None]:  # type: ignore[override]
-        group: GroupViews = ctx.group
+        layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
-        sizes = group._split
+        sizes = layout.split_sizes
         pieces: list[Tensor | None] = [None] * len(sizes)
-        for seg, grad in zip(group._segments, grads):
+        for seg, grad in zip(layout.segments, grads):
             pieces[seg] = grad
         full = [
             piece if piece is not None else torch.zeros(size, dtype=dtype, device=device)
@@ -354,17 +359,17 @@ def register_view(
     container: nn.ModuleDict
     if "parametrizations" not in module.__dict__ and "parametrizations" not in module._modules:
         container = HiddenParametrizations(module)
-        module.__dict__["parametrizations"] = container
 
         def drop_container() -> None:
             module.__dict__.pop("parametrizations", None)
 
         on_undo(drop_container)
+        module.__dict__["parametrizations"] = container
     else:
         container = cast(nn.ModuleDict, module.parametrizations)
-    container[name] = plist
 
     def drop_entry() -> None:
         container._modules.pop(name, None)
 
     on_undo(drop_entry)
+    container[name] = plist
