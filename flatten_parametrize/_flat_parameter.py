@@ -55,6 +55,8 @@ class FlatParameter(nn.Parameter):
     ) -> FlatParameter:
         if data is None:
             data = torch.empty(0)
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"FlatParameter data must be a Tensor; got {type(data).__name__}")
         if isinstance(data, nn.Parameter):
             data = data.detach()
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
@@ -69,6 +71,8 @@ class FlatParameter(nn.Parameter):
         offsets: Sequence[int] | None,
     ) -> None:
         names, numels = tuple(names), tuple(int(n) for n in numels)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"FlatParameter names must be str; got {list(names)!r}")
         sizes = tuple(torch.Size(s) for s in shapes)
         if offsets is None:
             starts, cursor = [], 0

@@ -16,7 +16,7 @@ from torch import nn
 from ._flat_parameter import FlatParameter
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_param_name
 
-__all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "resolve_groups"]
+__all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "bucket_groups", "resolve_groups"]
 
 GroupItem = Union[nn.Parameter, nn.Module, str]
 GroupsArg = Union[None, Iterable[GroupItem], Iterable[Iterable[GroupItem]], Mapping[str, Any]]
@@ -96,6 +96,12 @@ def _check_flattenable(spec: SlotSpec, automatic: bool) -> None:
             f"cannot flatten '{spec.name}': it is an uninitialized (lazy) parameter; "
             f"run one forward pass to materialize lazy modules before registering, or {hint}"
         )
+    if type(param) is not nn.Parameter:
+        raise ValueError(
+            f"cannot flatten '{spec.name}': it is a {type(param).__name__}, and only plain "
+            "nn.Parameter objects can become views of a flat buffer (a subclass would lose "
+            f"its behaviour); {hint}"
+        )
     if param.layout != torch.strided:
         raise ValueError(
             f"cannot flatten '{spec.name}': only dense (strided) parameters can share a "
@@ -116,6 +122,11 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
             f"single {_describe(groups)}; wrap it in a list: [item]"
         )
     if isinstance(groups, Mapping):
+        if not groups:
+            raise ValueError(
+                "groups is an empty mapping, so nothing would be flattened; name at least one "
+                "group, or pass groups=None to flatten every parameter"
+            )
         named: list[tuple[str, list[Any]]] = []
         for key, value in groups.items():
             if not isinstance(key, str):
@@ -288,3 +299,58 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
             _check_uniform(group)
         _check_group_name(module, group.name)
     return specs
+
+
+#: The first bucket of each group closes once it holds this many MiB (DDP's
+#: ``_DEFAULT_FIRST_BUCKET_BYTES``): backward finishes it early, so its sync starts early.
+FIRST_BUCKET_MB = 1.0
+
+
+def bucket_groups(module: nn.Module, specs: list[GroupSpec], bucket_cap_mb: float) -> list[GroupSpec]:
+    """Split each group into buckets of at most ``bucket_cap_mb`` MiB, last-used parameters first.
+
+    Backward finishes the gradients of the parameters used last first, so
+    each group is filled into buckets walking its parameters backwards (module
+    order is taken as the order of use): bucket ``"0"`` holds the last
+    parameters of the first group, and the buckets of a group come before
+    those of the next. Inside a bucket parameters keep module order. As with
+    DDP's default, the first bucket of each group closes as soon as it holds
+    1 MiB (or the cap, if smaller), so that its sync starts early in backward.
+    Buckets close at parameter boundaries (as DDP's do), so one can end inside
+    a layer; a parameter larger than the cap gets a bucket of its own. Sizes count
+    parameter bytes (``numel * element_size``), MiB being 2**20 bytes as in
+    DDP's ``bucket_cap_mb``. Buckets are renamed ``"0"``, ``"1"``, ... in order.
+
+    Args:
+        module: the module being registered (to check the new group names).
+        specs: the groups to split, from :func:`resolve_groups`.
+        bucket_cap_mb: the largest bucket, in MiB (positive).
+
+    Returns:
+        The buckets, one spec each.
+
+    Example:
+        >>> model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(4)])  # 1 MiB each
+        >>> buckets = bucket_groups(model, resolve_groups(model, None), bucket_cap_mb=2)
+        >>> [(b.name, [s.name for s in b.slots]) for b in buckets]
+        [('0', ['3.weight']), ('1', ['1.weight', '2.weight']), ('2', ['0.weight'])]
+    """
+    cap = bucket_cap_mb * 2**20
+    first = min(FIRST_BUCKET_MB, bucket_cap_mb) * 2**20
+    buckets: list[list[SlotSpec]] = []
+    for spec in specs:
+        current: list[SlotSpec] = []
+        size, in_first = 0, True
+        for slot in reversed(spec.slots):
+            nbytes = slot.param.numel() * slot.param.element_size()
+            if current and (size + nbytes > cap or (in_first and size >= first)):
+                buckets.append(current[::-1])
+                current, size, in_first = [], 0, False
+            current.append(slot)
+            size += nbytes
+        if current:
+            buckets.append(current[::-1])
+    out = [GroupSpec(str(i), slots) for i, slots in enumerate(buckets)]
+    for group in out:
+        _check_group_name(module, group.name)
+    return out

@@ -161,8 +161,14 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         """Return the flat parameter of ``group``.
 
         Raises:
+            TypeError: if ``group`` is not a str.
             KeyError: if there is no such group.
         """
+        if not isinstance(group, str):
+            raise TypeError(
+                f"flat storage groups are named by str; got {type(group).__name__} {group!r}; "
+                f"groups are {self._group_names}"
+            )
         try:
             return self._flat[self._group_names.index(group)]
         except ValueError:

@@ -1468,3 +1468,93 @@ def test_deepcopy_of_a_failed_registration_is_plain():
     clone = copy.deepcopy(model)
     assert_plain(clone)
     pickle.loads(pickle.dumps(model))
+
+
+# --------------------------------------------------------------------------- later additions
+def test_storage_getitem_refuses_a_non_str_key():
+    """storage[0] is a TypeError that lists the group names (groups are named by str)."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(model)
+    with pytest.raises(TypeError, match=r"named by str; got int 0; groups are \['0'\]"):
+        storage[0]  # type: ignore[index]
+
+
+def test_register_refuses_an_empty_mapping_of_groups():
+    """groups={} would flatten nothing: refused, module untouched."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"groups is an empty mapping.*groups=None"):
+        register_flat_storage(model, {})
+    assert_unchanged(model, snap)
+
+
+def test_register_refuses_a_parameter_subclass():
+    """A Parameter subclass would lose its behaviour as a view: refused, naming it."""
+
+    class Tagged(nn.Parameter):
+        pass
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    model[0].bias = Tagged(torch.zeros(2))
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"cannot flatten '0.bias': it is a Tagged.*pass explicit groups"):
+        register_flat_storage(model)
+    assert_unchanged(model, snap)
+    storage = register_flat_storage(model, ["0.weight"])
+    assert type(model[0].bias) is Tagged and storage.group_names == ["0"]
+
+
+def test_same_parameter_twice_in_one_group_is_one_slot():
+    """Listing a parameter twice in one group (directly, by module or by overlapping globs) gives one slot."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(model, [model[0].weight, model[0], "0.*", "*.weight"])
+    assert [info.name for info in storage.param_infos] == ["0.weight", "0.bias"]
+
+
+def test_flat_parameter_refuses_non_tensor_data_and_non_str_names():
+    """FlatParameter checks its data and names."""
+    with pytest.raises(TypeError, match="data must be a Tensor; got list"):
+        FlatParameter([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"names must be str; got \[0\]"):
+        FlatParameter(torch.zeros(1), names=[0], shapes=[(1,)], numels=[1])  # type: ignore[list-item]
+
+
+def test_using_and_views_of_refuse_unknown_dict_keys():
+    """using() / views_of() name missing and unknown group keys."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(model)
+    with pytest.raises(ValueError, match=r"missing \['0'\], unknown \[0\]"):
+        with storage.using({0: torch.zeros(6)}):  # type: ignore[dict-item]
+            pass
+    with pytest.raises(ValueError, match=r"missing \['0'\], unknown \['x'\]"):
+        storage.views_of({"x": torch.zeros(6)})
+
+
+def test_flatten_and_unflatten_in_their_own_mode_change_nothing():
+    """flatten() while flat and unflatten() while unflattened are documented no-ops."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    storage = register_flat_storage(model)
+    snap = snapshot(model)
+    storage.flatten()
+    assert_unchanged(model, snap)
+    storage.unflatten()
+    snap = snapshot(model)
+    storage.unflatten()
+    assert_unchanged(model, snap)
+
+
+def test_failed_load_in_unflattened_mode_keeps_gradient_objects():
+    """A refused load in unflattened mode leaves parameters, values and .grad objects as they were."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    storage = register_flat_storage(model)
+    model(torch.ones(1, 2)).sum().backward()
+    storage.unflatten()
+    grads = [p.grad for p in model.parameters()]
+    snap = snapshot(model)
+    state = {k: v + 1 for k, v in model.state_dict().items()}
+    del state["1.bias"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "1\.bias"'):
+        model.load_state_dict(state)
+    assert_unchanged(model, snap)
+    assert all(a is b for a, b in zip(grads, [p.grad for p in model.parameters()]))
+    assert not storage.is_flattened

@@ -205,3 +205,41 @@ def test_loading_through_a_parametrized_optimizer_copy_is_exact():
     model.load_state_dict(sd)
     for key, value in model.state_dict().items():
         assert torch.equal(value, sd[key]), key
+
+
+def test_flat_state_dict_of_another_dtype_is_cast():
+    """A float64 flat checkpoint loads into a float32 flattened model, cast."""
+    source = mlp(2)
+    storage = register_flat_storage(source)
+    flat = {k: (v.double() if k == "flat_param_0" else v) for k, v in storage.flat_state_dict().items()}
+    target = mlp(2, seed=5)
+    register_flat_storage(target)
+    target.load_state_dict(flat)
+    assert target[0].weight.dtype == torch.float32
+    torch.testing.assert_close(target[0].weight, source[0].weight)
+
+
+def test_partial_flat_load_non_strict_reports_the_missing_group_by_original_names():
+    """strict=False with one group's flat entry missing loads the others and lists the missing names."""
+    source = mlp(2)
+    storage = register_flat_storage(source, {"w": ["*.weight"], "b": ["*.bias"]})
+    flat = storage.flat_state_dict()
+    del flat["flat_param_b"], flat["flat_layout_b"]
+    target = mlp(2, seed=5)
+    target_storage = register_flat_storage(target, {"w": ["*.weight"], "b": ["*.bias"]})
+    before_b = target_storage["b"].detach().clone()
+    result = target.load_state_dict(flat, strict=False)
+    assert result.missing_keys == ["0.bias", "2.bias"] and result.unexpected_keys == []
+    assert torch.equal(target_storage["w"], storage["w"]) and torch.equal(target_storage["b"], before_b)
+
+
+def test_flat_state_dict_in_unflattened_mode_has_current_values_and_changes_nothing():
+    """flat_state_dict() while unflattened reflects reassigned parameters without toggling modes."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    weight = model[0].weight
+    model[0].bias = nn.Parameter(torch.full((5,), 3.0))
+    flat = storage.flat_state_dict()["flat_param_0"]
+    assert flat[25:].eq(3).all() and not storage["0"][25:].eq(3).all()
+    assert not storage.is_flattened and model[0].weight is weight
