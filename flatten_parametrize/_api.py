@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from ._flat_parameter import FlatParameter
-from ._grouping import GroupsArg, resolve_groups
+from ._grouping import GroupsArg, bucket_groups, resolve_groups
 from ._layout import plan_group
 from ._names import STORAGE_ATTR
 from ._storage import FlatStorage, _Slot
@@ -14,7 +16,9 @@ from ._storage import FlatStorage, _Slot
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 
 
-def register_flat_storage(module: nn.Module, groups: GroupsArg = None, *, align: int = 1) -> FlatStorage:
+def register_flat_storage(
+    module: nn.Module, groups: GroupsArg = None, *, align: int = 1, bucket_cap_mb: float | None = None
+) -> FlatStorage:
     """Register one contiguous flat storage per group for the parameters of ``module``.
 
     Each flattened parameter (``layer.weight``, ...) becomes a
@@ -37,16 +41,29 @@ def register_flat_storage(module: nn.Module, groups: GroupsArg = None, *, align:
             parameter names (``fnmatch`` rules, e.g. ``"*.bias"``).
         align: every view starts at an element offset that is a multiple of
             ``align`` (padding is zero and never visible). Default: ``1``.
+        bucket_cap_mb: split each automatic group into flat parameters
+            (buckets) of at most this many MiB, filled walking the parameters
+            backwards, i.e. in the order in which backward finishes them:
+            group ``"0"`` holds the last parameters. Then
+            :meth:`~FlatStorage.enable_grad_sync` syncs early-finished buckets
+            while the rest of backward runs, as DDP's 25 MiB buckets do (and,
+            as with DDP's default, the first bucket closes once it holds 1 MiB,
+            so that sync starts early). A parameter larger than the cap gets a
+            bucket of its own. Only for
+            ``groups=None``: explicit groups are refused (split them yourself).
+            Default: ``None`` (no split).
 
     Returns:
         The :class:`FlatStorage` coordinator.
 
     Raises:
-        TypeError: if ``module``, ``groups``, an item or ``align`` has a wrong type.
+        TypeError: if ``module``, ``groups``, an item, ``align`` or
+            ``bucket_cap_mb`` has a wrong type.
         ValueError: for an empty group, a parameter or module that is not part
             of ``module``, a pattern that matches nothing, a parameter in two
             groups, a group mixing dtypes, devices or requires_grad, a bad
-            group name, or ``align < 1``.
+            group name, ``align < 1``, ``bucket_cap_mb <= 0`` (or not finite),
+            or ``bucket_cap_mb`` with explicit ``groups``.
         RuntimeError: if ``module`` (or part of it) already has a flat storage.
         In every case ``module`` is left exactly as it was.
 
@@ -64,7 +81,26 @@ def register_flat_storage(module: nn.Module, groups: GroupsArg = None, *, align:
         raise TypeError(f"align must be an int; got {type(align).__name__} {align!r}")
     if align < 1:
         raise ValueError(f"align must be >= 1; got {align}")
+    if bucket_cap_mb is not None:
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(
+                f"bucket_cap_mb must be a number of MiB or None; got {type(bucket_cap_mb).__name__} "
+                f"{bucket_cap_mb!r}; pass e.g. bucket_cap_mb=25"
+            )
+        if not (math.isfinite(bucket_cap_mb) and bucket_cap_mb > 0):
+            raise ValueError(
+                f"bucket_cap_mb must be a positive finite number of MiB; got {bucket_cap_mb!r}; "
+                "pass e.g. bucket_cap_mb=25, or None for one group per dtype and device"
+            )
+        if groups is not None:
+            raise ValueError(
+                "bucket_cap_mb splits the automatic groups (groups=None) only; got explicit "
+                f"groups of type {type(groups).__name__}; drop bucket_cap_mb and pass smaller "
+                "groups yourself, or pass groups=None"
+            )
     specs = resolve_groups(module, groups)
+    if bucket_cap_mb is not None:
+        specs = bucket_groups(module, specs, bucket_cap_mb)
     flats: list[FlatParameter] = []
     layouts = []
     slots: list[_Slot] = []

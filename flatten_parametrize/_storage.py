@@ -847,6 +847,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         atomically(remove)
         self._invalidate()
         self._release_files()  # values are in RAM now: delete the offload files
+        self.disable_grad_sync()  # remove the grad-sync hooks
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         new = FlatStorage.__new__(FlatStorage)

@@ -1,0 +1,735 @@
+"""Data-parallel gradient sync (``_distributed.py``) and buckets (``bucket_cap_mb``).
+
+Argument checks and the hook machinery run in this process with a gloo world
+of size 1. Training across ranks runs in 2 spawned gloo processes on
+127.0.0.1: one launch runs every working scenario (the tests then read its
+results), another checks that a failing rank does not hang the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from flatten_parametrize import register_flat_storage, remove_flat_storage
+
+from _models import mlp, values
+
+# ------------------------------------------------------------------ launching
+
+
+class _RankFailed(AssertionError):
+    """A spawned rank raised, crashed or was killed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(worker: Callable[[int, int, Path], None], rank: int, world: int, port: int, outdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        worker(rank, world, Path(outdir))
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    dist.destroy_process_group()
+
+
+def _spawn(worker: Callable[[int, int, Path], None], outdir: Path, *, deadline_s: float = 150.0) -> None:
+    """Run ``worker(rank, world, outdir)`` in 2 gloo processes on 127.0.0.1.
+
+    As soon as one rank fails, the others get ``grace_s`` seconds to finish
+    (a worker that expects the failure records what it saw), then every
+    leftover process is killed and :class:`_RankFailed` reports each failure.
+    """
+    world, grace_s = 2, 20.0
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(worker, rank, world, port, str(outdir)), daemon=True)
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    start, failed_at = time.monotonic(), None
+    try:
+        while any(proc.is_alive() for proc in procs):
+            now = time.monotonic()
+            if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
+                failed_at = now
+            if now - start > deadline_s or (failed_at is not None and now - failed_at > grace_s):
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+    errors = []
+    for rank, proc in enumerate(procs):
+        if (outdir / f"rank{rank}.err").exists():
+            errors.append(f"rank {rank} raised:\n{(outdir / f'rank{rank}.err').read_text()}")
+        elif proc.exitcode != 0:
+            errors.append(f"rank {rank} ended with exit code {proc.exitcode} (killed if negative)")
+    if errors:
+        raise _RankFailed("\n".join(errors))
+
+
+def _save(outdir: Path, rank: int, name: str, result: Any) -> None:
+    torch.save(result, outdir / f"{name}.{rank}.tmp")
+    (outdir / f"{name}.{rank}.tmp").rename(outdir / f"{name}.{rank}.pt")
+
+
+# --------------------------------------------------------- 2-rank scenarios
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).pow(2).mean()
+
+
+def _batch(seed: int, n: int = 8, width: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen)
+
+
+def _scenario_sync_training(rank: int, world: int) -> dict[str, Any]:
+    plain = mlp(depth=3, width=6)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model, bucket_cap_mb=200 / 2**20)  # several small buckets
+    storage.broadcast_params()
+    storage.enable_grad_sync()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    per_rank = 8 // world
+    for step in range(3):
+        x, y = _batch(step)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        _mse(model(x[mine]), y[mine]).backward()
+        opt.step()
+        ref.zero_grad()
+        _mse(plain(x), y).backward()
+        ref.step()
+    return {"synced": values(model), "plain": values(plain), "groups": len(storage.group_names)}
+
+
+def _scenario_no_sync(rank: int, world: int) -> dict[str, Any]:
+    plain = mlp(depth=2, width=6)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    x, y = _batch(10)
+    micro = [slice(rank * 4, rank * 4 + 2), slice(rank * 4 + 2, rank * 4 + 4)]
+    with storage.no_sync():
+        (_mse(model(x[micro[0]]), y[micro[0]]) / 2).backward()
+    local = storage["0"].grad.clone()
+    (_mse(model(x[micro[1]]), y[micro[1]]) / 2).backward()
+    _mse(plain(x), y).backward()
+    plain_grad = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    return {"local": local, "synced": storage["0"].grad.clone(), "plain": plain_grad}
+
+
+class _TwoBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+
+def _scenario_unused_group(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _TwoBranch()
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model, {"a": [model.a], "b": [model.b]})
+    storage.enable_grad_sync()
+    steps = []
+    for step in range(2):  # the second backward runs with the learned launch order
+        model.zero_grad()
+        plain.zero_grad()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m in (model, plain):
+            out = m.a(x)
+            if rank == 0:
+                out = out + m.b(x)
+            out.sum().backward()
+        local_b = None if rank else torch.cat([plain.b.weight.grad.reshape(-1), plain.b.bias.grad])
+        steps.append({"a": storage["a"].grad.clone(), "b": storage["b"].grad.clone(), "local_b": local_b})
+    return {"steps": steps}
+
+
+def _scenario_broadcast(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = nn.Linear(3, 2)
+    storage = register_flat_storage(model)
+    before = storage["0"].detach().clone()
+    storage.broadcast_params(src=1)
+    return {"before": before, "after": storage["0"].detach().clone()}
+
+
+def _scenario_all_reduce_sum(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    storage = register_flat_storage(model)
+    model(torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    local = storage["0"].grad.clone()
+    storage.all_reduce_grads(op="sum")
+    return {"local": local, "reduced": storage["0"].grad.clone()}
+
+
+_SCENARIOS = {
+    "sync_training": _scenario_sync_training,
+    "no_sync": _scenario_no_sync,
+    "unused_group": _scenario_unused_group,
+    "broadcast": _scenario_broadcast,
+    "all_reduce_sum": _scenario_all_reduce_sum,
+}
+
+
+def _failing_rank(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    model = nn.Linear(3, 2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync(group)
+    if rank == 1:
+        try:
+            raise ValueError("rank 1 fails on purpose")
+        finally:
+            time.sleep(6)  # alive but gone from the collectives: only a timeout frees rank 0
+    start = time.monotonic()
+    try:
+        model(torch.ones(1, 3)).sum().backward()
+    except RuntimeError as error:
+        return {"error": str(error)[:500], "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+_SCENARIOS["failing_rank"] = _failing_rank  # last: it ends the launch
+
+
+def _run_scenarios(rank: int, world: int, outdir: Path) -> None:
+    for name, scenario in _SCENARIOS.items():
+        _save(outdir, rank, name, scenario(rank, world))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One launch of 2 ranks running every scenario; the last one makes rank 1 fail."""
+    outdir = tmp_path_factory.mktemp("ranks")
+    start = time.monotonic()
+    try:
+        _spawn(_run_scenarios, outdir)
+        failure = "no rank failed"
+    except _RankFailed as error:
+        failure = str(error)
+    return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start}
+
+
+def _results(two_ranks: dict[str, Any], name: str) -> list[Any]:
+    """Return each rank's result of scenario ``name``; fail with the launch's errors if one is missing."""
+    paths = [two_ranks["outdir"] / f"{name}.{rank}.pt" for rank in range(2)]
+    if not all(path.exists() for path in paths):
+        pytest.fail(
+            f"scenario {name!r} left no result on both ranks; the launch said:\n{two_ranks['failure']}"
+        )
+    return [torch.load(path, weights_only=False) for path in paths]
+
+
+def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
+    """Two ranks with grad sync, each on half the batch, end where one process on the whole batch ends."""
+    first, second = _results(two_ranks, "sync_training")
+    for result in (first, second):
+        assert result["groups"] > 2
+        for key in result["plain"]:
+            torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
+    for key in first["synced"]:
+        assert torch.equal(first["synced"][key], second["synced"][key])
+
+
+def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
+    """Micro-batches under no_sync stay local; the next synced backward averages their sum."""
+    first, second = _results(two_ranks, "no_sync")
+    assert not torch.allclose(first["local"], second["local"])
+    for result in (first, second):
+        torch.testing.assert_close(result["synced"], result["plain"])
+
+
+def test_group_unused_on_one_rank_is_averaged_with_zeros(two_ranks):
+    """A group one rank's backward does not reach gets the other ranks' gradient over world size; no hang."""
+    first, second = (result["steps"] for result in _results(two_ranks, "unused_group"))
+    for step0, step1 in zip(first, second):
+        assert torch.equal(step0["a"], step1["a"])
+        assert torch.equal(step0["b"], step1["b"])
+        torch.testing.assert_close(step0["b"], step0["local_b"] / 2)
+
+
+def test_broadcast_params_copies_the_source_rank(two_ranks):
+    """After broadcast_params(src=1) every rank holds rank 1's flat parameters."""
+    first, second = _results(two_ranks, "broadcast")
+    assert not torch.equal(first["before"], second["before"])
+    assert torch.equal(first["after"], second["before"])
+    assert torch.equal(second["after"], second["before"])
+
+
+def test_all_reduce_grads_sum_adds_the_ranks_gradients(two_ranks):
+    """all_reduce_grads(op='sum') leaves the sum of every rank's gradient on every rank."""
+    first, second = _results(two_ranks, "all_reduce_sum")
+    for result in (first, second):
+        torch.testing.assert_close(result["reduced"], first["local"] + second["local"])
+
+
+def test_failing_rank_does_not_hang_the_others(two_ranks):
+    """A rank that raises fails the launch; the other's synced backward raises after the group's timeout."""
+    assert "rank 1 raised" in two_ranks["failure"]
+    assert "ValueError: rank 1 fails on purpose" in two_ranks["failure"]
+    survivor = torch.load(two_ranks["outdir"] / "failing_rank.0.pt", weights_only=False)
+    assert survivor["error"] is not None
+    assert survivor["seconds"] < 5  # the 2 s timeout, not rank 1's exit after 6 s
+    assert two_ranks["seconds"] < 150
+
+
+# ------------------------------------------------------- one process, world 1
+
+
+@pytest.fixture
+def world1() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def collectives(world1, monkeypatch) -> list[tuple[str, torch.Tensor]]:
+    """Record every all_reduce and broadcast as ``(kind, tensor)``."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    for kind in ("all_reduce", "broadcast"):
+        real = getattr(dist, kind)
+
+        def record(tensor, *args, _real=real, _kind=kind, **kwargs):
+            calls.append((_kind, tensor))
+            return _real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, kind, record)
+    return calls
+
+
+def _blocks(n: int = 3, width: int = 4) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
+
+
+def _reduced_groups(storage, calls) -> list[str]:
+    names = storage.group_names
+    return [
+        names[next(i for i, f in enumerate(storage.flat_params) if f.grad is t)]
+        for kind, t in calls
+        if kind == "all_reduce"
+    ]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.all_reduce_grads(),
+        lambda s: s.broadcast_params(),
+        lambda s: s.enable_grad_sync(),
+    ],
+    ids=["all_reduce_grads", "broadcast_params", "enable_grad_sync"],
+)
+def test_collectives_need_an_initialized_process_group(call):
+    """Without init_process_group every collective method raises and says to call it first."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(RuntimeError, match=r"no.*initialized.*call torch\.distributed\.init_process_group"):
+        call(storage)
+
+
+def test_all_reduce_grads_rejects_an_unknown_op(world1):
+    """op must be 'mean' or 'sum'; the message lists them."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(ValueError, match=r"op must be one of \['mean', 'sum'\]; got 'avg'"):
+        storage.all_reduce_grads(op="avg")
+
+
+def test_all_reduce_grads_rejects_a_non_str_op(world1):
+    """op is a str, not a ReduceOp."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(TypeError, match=r"op must be a str.*got RedOpType"):
+        storage.all_reduce_grads(op=dist.ReduceOp.SUM)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s, g: s.all_reduce_grads(group=g),
+        lambda s, g: s.broadcast_params(group=g),
+        lambda s, g: s.enable_grad_sync(g),
+    ],
+    ids=["all_reduce_grads", "broadcast_params", "enable_grad_sync"],
+)
+def test_group_must_be_a_process_group(world1, call):
+    """group is a ProcessGroup or None; anything else is a TypeError naming the fix."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup.*got str 'gloo'"):
+        call(storage, "gloo")
+
+
+def test_rank_outside_the_group_is_refused(world1):
+    """A rank that dist.new_group left out (NON_GROUP_MEMBER) cannot take part."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(ValueError, match="this rank is not a member of the given process group"):
+        storage.all_reduce_grads(group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+def test_broadcast_params_checks_src(world1):
+    """src is an int rank of the group: a str is a TypeError, a missing rank a ValueError."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with pytest.raises(TypeError, match=r"src must be an int \(a global rank\); got str '0'"):
+        storage.broadcast_params(src="0")
+    with pytest.raises(ValueError, match=r"src must be a global rank of the process group, one of \[0\]"):
+        storage.broadcast_params(src=1)
+
+
+def test_enable_grad_sync_twice_is_refused(world1):
+    """Enabling again needs disable_grad_sync() first."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    with pytest.raises(RuntimeError, match=r"already enabled.*call disable_grad_sync\(\) first"):
+        storage.enable_grad_sync()
+
+
+def test_all_reduce_grads_is_one_collective_per_group(collectives):
+    """One all_reduce per group requiring grad; a missing .grad joins as zeros; frozen groups are skipped."""
+    model = _blocks()
+    model[2].requires_grad_(False)
+    storage = register_flat_storage(model, [[model[0]], [model[1]], [model[2]]])
+    model[0](torch.ones(1, 4)).sum().backward()
+    before = storage["0"].grad.clone()
+    storage.all_reduce_grads()
+    assert _reduced_groups(storage, collectives) == ["0", "1"]
+    assert torch.equal(storage["0"].grad, before)  # the mean over one rank
+    assert torch.equal(storage["1"].grad, torch.zeros(20))
+    assert storage["2"].grad is None
+
+
+def test_all_reduce_grads_in_unflattened_mode_stays_unflattened(collectives):
+    """In unflattened mode the leaf gradients are reduced through the flat buffer and stay views of it."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    with storage.unflattened():
+        model(torch.ones(1, 2)).sum().backward()
+        storage.all_reduce_grads()
+        assert not storage.is_flattened
+        assert model.weight.grad.data_ptr() == storage["0"].grad.data_ptr()
+    assert len(collectives) == 1
+
+
+def test_broadcast_params_is_one_collective_per_group_and_an_inplace_write(collectives):
+    """One broadcast per group (frozen ones too); it bumps the version like any in-place write."""
+    model = _blocks(2)
+    model[1].requires_grad_(False)
+    storage = register_flat_storage(model)
+    versions = [f._version for f in storage.flat_params]
+    storage.broadcast_params()
+    assert [kind for kind, _ in collectives] == ["broadcast", "broadcast"]
+    assert all(f._version > v for f, v in zip(storage.flat_params, versions))
+
+
+def test_grad_sync_reduces_each_group_once_per_backward(collectives):
+    """Every synced backward issues one all_reduce per group; values are the mean (world 1: unchanged)."""
+    model = _blocks()
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model, [[m] for m in model])
+    storage.enable_grad_sync()
+    for _ in range(3):
+        collectives.clear()
+        x = torch.randn(2, 4)
+        model(x).sum().backward()
+        plain(x).sum().backward()
+        assert sorted(_reduced_groups(storage, collectives)) == ["0", "1", "2"]
+    grads = {name: grad for name, grad in storage.named_grads()}
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
+
+
+def test_grad_sync_starts_collectives_during_backward_in_the_learned_order(world1, monkeypatch):
+    """From the second backward on, a group's all_reduce starts as soon as its grad is final, mid-backward."""
+    model = _blocks()
+    storage = register_flat_storage(model, [[m] for m in model])
+    storage.enable_grad_sync()
+    events: list[str] = []
+    real = dist.all_reduce
+
+    def record(tensor, *args, **kwargs):
+        group = next(i for i, f in enumerate(storage.flat_params) if f.grad is tensor)
+        events.append(f"reduce {group}")
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", record)
+    for name, flat in zip(storage.group_names, storage.flat_params):
+        flat.register_post_accumulate_grad_hook(lambda _, name=name: events.append(f"ready {name}"))
+    model(torch.randn(2, 4)).sum().backward()
+    assert events == ["ready 2", "ready 1", "ready 0", "reduce 0", "reduce 1", "reduce 2"]
+    events.clear()
+    model(torch.randn(2, 4)).sum().backward()
+    assert events == ["reduce 2", "ready 2", "reduce 1", "ready 1", "reduce 0", "ready 0"]
+
+
+def test_no_sync_skips_collectives_until_the_next_synced_backward(collectives):
+    """Backward inside no_sync issues no collective; the next one outside reduces the accumulated gradient."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    with storage.no_sync(), storage.no_sync():
+        model(torch.ones(1, 2)).sum().backward()
+    assert collectives == []
+    model(torch.ones(1, 2)).sum().backward()
+    assert _reduced_groups(storage, collectives) == ["0"]
+    assert torch.equal(storage["0"].grad, torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0, 2.0]))
+
+
+def test_grad_sync_reduces_groups_the_backward_did_not_reach(collectives):
+    """A group this backward did not reach is reduced too (as zeros): ranks issue the same collectives."""
+    model = _TwoBranch()
+    storage = register_flat_storage(model, {"a": [model.a], "b": [model.b]})
+    storage.enable_grad_sync()
+    model.a(torch.ones(1, 4)).sum().backward()
+    assert sorted(_reduced_groups(storage, collectives)) == ["a", "b"]
+    assert torch.equal(storage["b"].grad, torch.zeros(20))
+
+
+def test_grad_sync_leaves_frozen_groups_alone(collectives):
+    """A group that does not require grad gets no hook and no collective."""
+    model = _blocks(2)
+    model[0].requires_grad_(False)
+    storage = register_flat_storage(model, [[model[0]], [model[1]]])
+    storage.enable_grad_sync()
+    model(torch.ones(1, 4)).sum().backward()
+    assert _reduced_groups(storage, collectives) == ["1"]
+    assert storage["0"].grad is None
+
+
+def test_grad_sync_works_with_non_reentrant_checkpointing(collectives):
+    """Activation checkpointing with use_reentrant=False keeps one all_reduce per group per backward."""
+    model = _blocks()
+    storage = register_flat_storage(model, [[m] for m in model])
+    storage.enable_grad_sync()
+    for _ in range(2):
+        collectives.clear()
+        hidden = checkpoint(model[1], model[0](torch.randn(2, 4)), use_reentrant=False)
+        model[2](hidden).sum().backward()
+        assert sorted(_reduced_groups(storage, collectives)) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("block", [1, 2], ids=["middle", "last"])
+def test_grad_sync_refuses_reentrant_checkpointing(collectives, block):
+    """A flat gradient produced by a nested (reentrant) backward is refused, not reduced twice."""
+    model = _blocks()
+    storage = register_flat_storage(model, [[m] for m in model])
+    storage.enable_grad_sync()
+    hidden = torch.randn(2, 4)
+    for i, layer in enumerate(model):
+        hidden = checkpoint(layer, hidden, use_reentrant=True) if i == block else layer(hidden)
+    with pytest.raises(RuntimeError, match=r"nested \(reentrant\) backward run by CheckpointFunction"):
+        hidden.sum().backward()
+    collectives.clear()
+    model.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()  # sync recovers for the next plain backward
+    assert sorted(_reduced_groups(storage, collectives)) == ["0", "1", "2"]
+
+
+def _sync_hooks(model: nn.Module, storage) -> int:
+    from flatten_parametrize._distributed import _RehookOnForward
+
+    on_flat = sum(len(f._post_accumulate_grad_hooks or {}) for f in storage.flat_params)
+    return on_flat + sum(isinstance(h, _RehookOnForward) for h in model._forward_pre_hooks.values())
+
+
+def test_disable_grad_sync_removes_every_hook(collectives):
+    """disable_grad_sync() removes the grad hooks and the forward pre-hook; backward then issues nothing."""
+    model = _blocks(2)
+    storage = register_flat_storage(model, [[m] for m in model])
+    storage.enable_grad_sync()
+    assert _sync_hooks(model, storage) == 3
+    storage.disable_grad_sync()
+    assert _sync_hooks(model, storage) == 0
+    model(torch.ones(1, 4)).sum().backward()
+    assert collectives == []
+    storage.disable_grad_sync()  # again: nothing to do
+
+
+def test_remove_flat_storage_removes_sync_hooks(world1):
+    """remove_flat_storage leaves no hook of grad sync on the module or the old flat parameters."""
+    model = _blocks(2)
+    storage = register_flat_storage(model)
+    flats = storage.flat_params
+    storage.enable_grad_sync()
+    remove_flat_storage(model)
+    assert not any(f._post_accumulate_grad_hooks for f in flats)
+    assert dict(model._forward_pre_hooks) == {}
+
+
+def test_grad_sync_follows_flat_parameters_replaced_by_to(collectives):
+    """module.to() that replaces the flat parameter objects gets the hook again at the next forward."""
+    model = _blocks(2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    old = storage["0"]
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert storage["0"] is not old
+    model(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    assert _reduced_groups(storage, collectives) == ["0"]
+    assert not old._post_accumulate_grad_hooks
+
+
+def test_deep_copy_of_a_synced_model_does_not_sync(collectives):
+    """A deep copy does not sync: its flat parameters carry no hook; its copied forward hook drops itself."""
+    model = _blocks(2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    clone = copy.deepcopy(model)
+    clone(torch.ones(1, 4)).sum().backward()
+    assert collectives == []
+    from flatten_parametrize import get_flat_storage
+
+    assert _sync_hooks(clone, get_flat_storage(clone)) == 0
+
+
+def test_failed_collective_raises_from_backward_and_sync_recovers(world1, monkeypatch):
+    """A collective that fails (e.g. a timeout) raises from backward; the next backward syncs normally."""
+
+    class _Failed:
+        def wait(self) -> None:
+            raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: _Failed())
+    with pytest.raises(RuntimeError, match="Timed out"):
+        model(torch.ones(1, 2)).sum().backward()
+    monkeypatch.setattr(dist, "all_reduce", real)
+    model.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    assert torch.equal(storage["0"].grad, torch.ones(6))
+
+
+# ------------------------------------------------------------------- buckets
+
+
+def test_bucket_cap_splits_automatic_groups_last_used_first():
+    """Buckets fill walking parameters backwards: group '0' holds the last layer; names stay '0', '1', ..."""
+    model = mlp(depth=4, width=16)  # each Linear: 272 floats = 1088 bytes
+    storage = register_flat_storage(model, bucket_cap_mb=1100 / 2**20)
+    assert storage.group_names == ["0", "1", "2", "3"]
+    assert [info.name for info in storage.param_infos if info.group == "0"] == ["6.weight", "6.bias"]
+    assert all(f.numel() * 4 <= 1100 for f in storage.flat_params)
+    assert sum(f.numel() for f in storage.flat_params) == sum(p.numel() for p in mlp(4, 16).parameters())
+
+
+def test_parameter_larger_than_the_bucket_cap_gets_its_own_bucket():
+    """A parameter over the cap is never split: it fills a bucket alone."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 2))
+    storage = register_flat_storage(model, bucket_cap_mb=1000 / 2**20)
+    groups = {}
+    for info in storage.param_infos:
+        groups.setdefault(info.group, []).append(info.name)
+    assert groups == {"0": ["0.bias", "1.weight", "1.bias"], "1": ["0.weight"]}
+
+
+def test_first_bucket_closes_once_it_holds_one_mib_like_ddp():
+    """The first bucket backward finishes closes at 1 MiB, so its sync starts early; others fill the cap."""
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 1 MiB + 2 KiB each
+    storage = register_flat_storage(model, bucket_cap_mb=3)
+    groups: dict[str, list[str]] = {}
+    for info in storage.param_infos:
+        groups.setdefault(info.group, []).append(info.name)
+    assert groups["0"] == ["3.weight", "3.bias"]
+    assert groups["1"] == ["0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert groups["2"] == ["0.weight"]
+    assert all(f.numel() * 4 <= 3 * 2**20 for f in storage.flat_params)
+
+
+def test_buckets_split_each_dtype_group_in_turn():
+    """Each automatic (device, dtype, requires_grad) group is split on its own, first-seen groups first."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).double(), nn.Linear(8, 8))
+    storage = register_flat_storage(model, bucket_cap_mb=300 / 2**20)
+    dtypes = [f.dtype for f in storage.flat_params]
+    assert dtypes == [torch.float32] * 2 + [torch.float64] * 2
+    assert storage.group_names == ["0", "1", "2", "3"]
+
+
+def test_bucketed_model_trains_like_plain():
+    """A model split into buckets trains exactly like the plain model."""
+    plain = mlp(depth=3, width=8)
+    model = copy.deepcopy(plain)
+    register_flat_storage(model, bucket_cap_mb=0.0005)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref = torch.optim.Adam(plain.parameters(), lr=0.01)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for key, value in values(plain).items():
+        torch.testing.assert_close(values(model)[key], value, msg=key)
+
+
+def test_bucket_cap_with_explicit_groups_is_refused():
+    """bucket_cap_mb splits automatic groups only; explicit groups are refused and the module is unchanged."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"automatic groups \(groups=None\) only; got explicit groups of type"
+    ):
+        register_flat_storage(model, [model.weight], bucket_cap_mb=25)
+    assert [name for name, _ in model.named_parameters()] == ["weight", "bias"]
+
+
+@pytest.mark.parametrize("cap", ["25", True, [25]])
+def test_bucket_cap_must_be_a_number(cap):
+    """bucket_cap_mb is a number of MiB (or None)."""
+    with pytest.raises(TypeError, match=r"bucket_cap_mb must be a number of MiB or None; got"):
+        register_flat_storage(nn.Linear(2, 2), bucket_cap_mb=cap)
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, math.nan, math.inf])
+def test_bucket_cap_must_be_positive_and_finite(cap):
+    """bucket_cap_mb must be > 0 and finite."""
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a positive finite number of MiB; got"):
+        register_flat_storage(nn.Linear(2, 2), bucket_cap_mb=cap)
