@@ -64,7 +64,17 @@ class GroupViews:
         layout: the group's layout.
     """
 
-    __slots__ = ("_segments", "_shapes", "_split", "_tls", "_traced", "flat_name", "layout", "params")
+    __slots__ = (
+        "_grad_buffer",
+        "_segments",
+        "_shapes",
+        "_split",
+        "_tls",
+        "_traced",
+        "flat_name",
+        "layout",
+        "params",
+    )
 
     def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
         self.params = params
@@ -75,6 +85,7 @@ class GroupViews:
         self._shapes = layout.shapes
         self._tls = threading.local()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
+        self._grad_buffer = GradBuffer()
 
     def invalidate(self) -> None:
         """Drop every thread's cached views (they hold the old flat tensor alive)."""
@@ -130,7 +141,7 @@ class GroupViews:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
-            views = list(_GroupSplit.apply(flat, self.layout))
+            views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
         else:
             chunks = flat.split(self._split)
             views = [None] * len(self._shapes)
@@ -160,6 +171,7 @@ class GroupViews:
         new._shapes = self._shapes
         new._tls = threading.local()
         new._traced = None
+        new._grad_buffer = GradBuffer()
         return new
 
     def __getstate__(self) -> None:
@@ -170,39 +182,80 @@ class GroupViews:
         )
 
 
+class GradBuffer:
+    """One reusable CPU buffer for a group's flat gradient.
+
+    Each backward builds the group's flat gradient as a new tensor; on CPU a
+    fresh multi-megabyte allocation is served by new pages that the kernel
+    zero-fills on first touch, every step. When the previous gradient has been
+    dropped (``zero_grad(set_to_none=True)``) and nothing else holds its
+    memory, backward writes into that memory again instead. It holds no
+    reference to the views or the module (it is reachable from autograd nodes).
+    """
+
+    __slots__ = ("_lock", "_storage")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._storage: torch.UntypedStorage | None = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Return a tensor of ``numel`` elements: the kept memory if it is free, else new memory."""
+        if device.type != "cpu":  # device allocators cache freed memory themselves
+            return torch.empty(numel, dtype=dtype, device=device)
+        with self._lock:
+            kept = self._storage
+            if (
+                kept is not None
+                and torch._C._storage_Use_Count(kept._cdata) == 1
+                and kept.nbytes() == numel * dtype.itemsize
+            ):
+                return torch.empty(0, dtype=dtype, device=device).set_(kept, 0, (numel,), (1,))
+            out = torch.empty(numel, dtype=dtype, device=device)
+            if kept is None or kept.nbytes() != numel * dtype.itemsize:
+                self._storage = out.untyped_storage()
+            return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradBuffer:
+        return GradBuffer()
+
+
 class _GroupSplit(torch.autograd.Function):
     """All views of a group as the outputs of one autograd node.
 
-    The node keeps only the (immutable) layout: a reference to anything that
-    holds the cached views would make a cycle through the C++ autograd graph
-    that Python's garbage collector cannot see, and leak the flat buffer.
+    The node keeps only the (immutable) layout and the group's gradient
+    buffer: a reference to anything that holds the cached views would make a
+    cycle through the C++ autograd graph that Python's garbage collector
+    cannot see, and leak the flat buffer.
     """
 
     @staticmethod
-    def forward(flat: Tensor, layout: GroupLayout) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:  # type: ignore[override]
         chunks = flat.split(layout.split_sizes)
         return tuple(chunks[seg].view(shape) for seg, shape in zip(layout.segments, layout.shapes))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        flat, layout = inputs
+        flat, layout, buffer = inputs
         ctx.layout = layout
+        ctx.buffer = buffer
         ctx.like = (flat.dtype, flat.device)
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:  # type: ignore[override]
         layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
         sizes = layout.split_sizes
         pieces: list[Tensor | None] = [None] * len(sizes)
         for seg, grad in zip(layout.segments, grads):
             pieces[seg] = grad
-        full = [
-            piece if piece is not None else torch.zeros(size, dtype=dtype, device=device)
+        flat_pieces = [
+            piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
             for piece, size in zip(pieces, sizes)
         ]
-        return torch._C._nn.flatten_dense_tensors(full), None
+        out = ctx.buffer.take(layout.numel, dtype, device)
+        return torch.cat(flat_pieces, out=out), None, None
 
 
 def trace_split(module: nn.Module, args: Any) -> None:

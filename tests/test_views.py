@@ -320,3 +320,23 @@ def test_double_backward_through_views_matches_plain():
         gx.pow(2).sum().backward()
     for name, grad in storage.named_grads():
         torch.testing.assert_close(grad, plain.get_parameter(name).grad, msg=name)
+
+
+def test_cpu_flat_gradient_memory_is_reused_when_free():
+    """After zero_grad(set_to_none=True) the next backward writes into the same memory; a kept gradient is never reused."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    x = torch.randn(3, 5)
+    model(x).sum().backward()
+    first = storage["0"].grad
+    first_ptr, first_values = first.data_ptr(), first.clone()
+    del first
+    storage["0"].grad = None
+    model(x).sum().backward()
+    assert storage["0"].grad.data_ptr() == first_ptr
+    torch.testing.assert_close(storage["0"].grad, first_values)
+    kept = storage["0"].grad
+    storage["0"].grad = None
+    model(2 * x).sum().backward()
+    assert storage["0"].grad.data_ptr() != kept.data_ptr()
+    torch.testing.assert_close(kept, first_values)
