@@ -323,7 +323,7 @@ def test_double_backward_through_views_matches_plain():
 
 
 def test_cpu_flat_gradient_memory_is_reused_when_free():
-    """After zero_grad(set_to_none=True) the next backward writes into the same memory; a kept gradient is never reused."""
+    """After zero_grad(set_to_none=True) backward reuses the memory; a gradient still held is not reused."""
     model = mlp(2)
     storage = register_flat_storage(model)
     x = torch.randn(3, 5)
