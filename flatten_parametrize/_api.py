@@ -110,8 +110,9 @@ def register_flat_storage(
         data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             cursor = 0
+            slot_segments = set(layout.segments)
             for segment, size in enumerate(layout.split_sizes):  # zero the padding only
-                if segment not in layout.segments:
+                if segment not in slot_segments:
                     data.narrow(0, cursor, size).zero_()
                 cursor += size
             for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):

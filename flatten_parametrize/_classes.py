@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._state_dict import load_module, save_module
 from ._views import GroupViews, make_property
 
 if TYPE_CHECKING:
@@ -67,8 +68,6 @@ def _state(module: nn.Module) -> ModuleState | None:
 
 
 def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
-    from ._state_dict import save_module
-
     save_module(self, _state(self), _super(self)._save_to_state_dict, destination, prefix, keep_vars)
 
 
@@ -82,8 +81,6 @@ def _load_from_state_dict(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    from ._state_dict import load_module
-
     load_module(
         self,
         _state(self),

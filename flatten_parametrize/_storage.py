@@ -604,9 +604,10 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             for flat, views in zip(self._flat, self._views):
                 layout = views.layout
                 if layout.padding and not flat.is_meta:
+                    slot_segments = set(layout.segments)
                     chunks = flat.detach().split(layout.split_sizes)
                     for segment, chunk in enumerate(chunks):
-                        if segment not in layout.segments:
+                        if segment not in slot_segments:
                             chunk.zero_()
 
     def _layout_of(self, group: int) -> dict[str, Any]:
@@ -660,13 +661,14 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         if not loaded:
             return
         with torch.no_grad():
-            targets = {id(v): v.split(f.detach()) for f, v in zip(self._flat, self._views)}
+            targets = {}
+            for flat, views in zip(self._flat, self._views):
+                if any(entry[0] is views for entry in loaded):
+                    if tx is not None:  # one copy of the group's values, to undo every write at once
+                        tx.keep_values(flat)
+                    targets[id(views)] = views.split(flat.detach())
             for views, index, source in loaded:
-                target = targets[id(views)][index]
-                if tx is None:
-                    target.copy_(source)
-                else:
-                    tx.write(target, source)
+                targets[id(views)][index].copy_(source)
 
     def _load_state_dict(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
         """Load through torch's machinery, then commit the staged slots: all or nothing."""

@@ -232,7 +232,11 @@ class _GroupSplit(torch.autograd.Function):
     @staticmethod
     def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:  # type: ignore[override]
         chunks = flat.split(layout.split_sizes)
-        return tuple(chunks[seg].view(shape) for seg, shape in zip(layout.segments, layout.shapes))
+        # One-dimensional slots already have their shape: skip a view (a few us each).
+        return tuple(
+            chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)
+            for seg, shape in zip(layout.segments, layout.shapes)
+        )
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
