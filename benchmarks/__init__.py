@@ -1,0 +1,6 @@
+"""Benchmarks of ``flatten_parametrize`` against the plain model and the alternatives.
+
+Run ``python -m benchmarks`` (or ``python benchmarks/run.py``); ``--quick`` is a
+smoke run, ``--only <workload>`` picks workloads, ``--help`` lists them.
+Results of a full run are recorded in ``benchmarks/RESULTS.md``.
+"""

@@ -1,0 +1,214 @@
+"""Workload 1: forward+backward of a deep MLP of ``Linear(64, 64)`` layers, batch 32.
+
+The main table is at depth 400. The sweep times depth 50 / 200 / 800 for the
+plain model, ``register_flat_storage``, fairscale's wrapper and a naive
+parametrization that slices the flat parameter at every access (capped in
+depth: its backward is quadratic), and plots time against depth.
+
+``register_flat_storage`` reuses its views while the flat parameter is
+unchanged, so repeated forward+backward passes split it only once. In
+training an optimizer step changes it in place before every pass; the
+contender "views rebuilt" reproduces that (the version counter is bumped
+before each pass) and pays one split per pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.autograd.graph import increment_version
+
+from benchmarks._contenders import (
+    FAIRSCALE,
+    FAIRSCALE_MISSING,
+    fairscale_wrap,
+    register_naive_slices,
+    zero_grad,
+)
+from benchmarks._timing import (
+    Contender,
+    Report,
+    Samples,
+    Settings,
+    Table,
+    at_most,
+    fmt_ratio,
+    fmt_time,
+    interleave,
+    ratio,
+    timing_table,
+)
+from flatten_parametrize import register_flat_storage
+
+__all__ = ["run", "mlp", "contenders"]
+
+WIDTH, BATCH = 64, 32
+PLAIN, FLAT, NAIVE = "plain", "register_flat_storage", "naive slicing"
+REBUILT = "register_flat_storage, views rebuilt"
+
+
+def mlp(depth: int, seed: int = 0) -> nn.Sequential:
+    """Return ``depth`` x ``Linear(64, 64)`` with a fixed seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(depth)])
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    zero_grad(model.parameters())
+    model(x).sum().backward()
+
+
+def _step_after_update(model: nn.Module, x: torch.Tensor) -> None:
+    """Forward+backward as in training: an optimizer step changed the flat parameter before it."""
+    for p in model.parameters():
+        increment_version(p)  # what an in-place update does to the version, without the update
+    _step(model, x)
+
+
+def contenders(depth: int, naive: bool) -> list[Contender]:
+    """Return the forward+backward of each contender at ``depth`` (naive slicing only if asked)."""
+    x = torch.randn(BATCH, WIDTH)
+    plain = mlp(depth)
+    flat = mlp(depth)
+    register_flat_storage(flat)
+    rebuilt = mlp(depth)
+    register_flat_storage(rebuilt)
+    out = [
+        Contender(PLAIN, lambda: _step(plain, x)),
+        Contender(FLAT, lambda: _step(flat, x)),
+        Contender(REBUILT, lambda: _step_after_update(rebuilt, x)),
+    ]
+    wrapped = fairscale_wrap(mlp(depth))
+    out.append(
+        Contender(FAIRSCALE, None, FAIRSCALE_MISSING)
+        if wrapped is None
+        else Contender(FAIRSCALE, lambda: _step(wrapped, x))
+    )
+    if naive:
+        sliced = mlp(depth)
+        register_naive_slices(sliced)
+        out.append(Contender(NAIVE, lambda: _step(sliced, x)))
+    return out
+
+
+def _sweep(settings: Settings, depths: list[int], naive_cap: int) -> dict[int, dict[str, Samples]]:
+    found = {}
+    for depth in depths:
+        # The quadratic contender is slow: the sweep uses the minimum of rounds.
+        found[depth] = interleave(contenders(depth, naive=depth <= naive_cap), settings, rounds=5)
+    return found
+
+
+def _sweep_table(found: dict[int, dict[str, Samples]], naive_cap: int) -> Table:
+    table = Table(
+        "MLP forward+backward against depth (Linear(64, 64), batch 32)",
+        [
+            "depth",
+            PLAIN,
+            FLAT,
+            "flat, rebuilt",
+            FAIRSCALE,
+            NAIVE,
+            "flat / plain",
+            "rebuilt / plain",
+            "fairscale / plain",
+            "naive / plain",
+        ],
+    )
+    for depth, res in found.items():
+        cells = [
+            fmt_time(res[n].median) if n in res else "-" for n in (PLAIN, FLAT, REBUILT, FAIRSCALE, NAIVE)
+        ]
+        ratios = [fmt_ratio(ratio(res, n, PLAIN)) for n in (FLAT, REBUILT, FAIRSCALE, NAIVE)]
+        table.add(depth, *cells, *ratios)
+    table.notes += [
+        f"Naive slicing is run up to depth {naive_cap} only (its backward is quadratic in depth); "
+        "the sweep uses 5 rounds.",
+        f'`{REBUILT}` ("flat, rebuilt"): before each pass the flat parameter\'s version is bumped, as '
+        "an optimizer step does, so the views are rebuilt (one split per pass) as they are in training.",
+    ]
+    return table
+
+
+def plot(found: dict[int, dict[str, Samples]], paths: list[Path]) -> str:
+    """Plot median time against depth for each contender into ``paths``; return a note."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed (pip install matplotlib)"
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    styles = {
+        PLAIN: ("o-", "C0", PLAIN),
+        FLAT: ("s-", "C1", FLAT),
+        REBUILT: ("s--", "C1", f"{FLAT}, views rebuilt each pass (training)"),
+        FAIRSCALE: ("^-.", "C2", FAIRSCALE),
+        NAIVE: ("x:", "C3", f"{NAIVE} (quadratic)"),
+    }
+    for name, (style, color, label) in styles.items():
+        points = [(d, res[name].median * 1e3) for d, res in found.items() if name in res]
+        if points:
+            ax.plot(*zip(*points), style, color=color, label=label, alpha=0.55 if name == REBUILT else 1.0)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    depths = list(found)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("depth (Linear(64, 64) layers)")
+    ax.set_ylabel("forward+backward, ms (median)")
+    threads = torch.get_num_threads()
+    ax.set_title(f"Deep MLP, batch 32, {threads} CPU thread{'s' if threads > 1 else ''}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "plot written to " + ", ".join(_shown(p) for p in paths)
+
+
+def _shown(path: Path) -> str:
+    """Return ``path`` relative to the working directory when it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def run(settings: Settings) -> Report:
+    """Run workload 1 and return its tables and checks."""
+    depth = 25 if settings.quick else 400
+    depths, naive_cap = ([5, 10, 20], 10) if settings.quick else ([50, 200, 800], 200)
+    main = contenders(depth, naive=False)
+    res = interleave(main, settings)
+    report = Report(
+        [timing_table(f"MLP forward+backward, depth {depth} (Linear(64, 64), batch 32)", main, res, PLAIN)]
+    )
+    found = _sweep(settings, depths, naive_cap)
+    table = _sweep_table(found, naive_cap)
+    paths = [settings.out_dir / "depth_sweep.png"]
+    if settings.save_plot:
+        paths.append(Path(__file__).resolve().parent / "depth_sweep.png")
+    table.notes.append(plot(found, paths))
+    report.tables.append(table)
+    for d, res_d in found.items():
+        flat = ratio(res_d, FLAT, PLAIN)
+        limit = 1.25 if d == min(depths) else 1.15
+        report.checks.append(at_most(f"MLP depth {d}: flat / plain", flat, limit))
+        rebuilt = ratio(res_d, REBUILT, PLAIN)
+        report.checks.append(
+            at_most(f"MLP depth {d}: flat / plain, views rebuilt as in training", rebuilt, limit)
+        )
+        fair = ratio(res_d, FAIRSCALE, PLAIN)
+        if fair is not None:
+            report.checks.append(at_most(f"MLP depth {d}: flat / plain vs fairscale / plain", flat, fair))
+    return report

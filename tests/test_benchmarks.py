@@ -1,0 +1,76 @@
+"""The benchmarks never rot: their smoke run (``python -m benchmarks --quick``) prints every table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ["mlp", "transformer", "optim", "state_dict", "register", "access"]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_quick_run_prints_every_table(tmp_path: Path) -> None:
+    """`python -m benchmarks --quick` exits 0 and prints each workload's tables and the targets."""
+    done = _run(["-m", "benchmarks", "--quick", "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = done.stdout
+    for name in WORKLOADS:
+        assert f"## {name}:" in out, name
+    for title in (
+        "MLP forward+backward against depth",
+        "Transformer training step, AdamW fused=True",
+        "Optimizer step, 20 small parameters",
+        "Implementation torch picks",
+        "state_dict() and load_state_dict()",
+        "Flattening 4 x Linear(1024, 1024)",
+        "One `layer.weight` access",
+        "Targets of the issue",
+    ):
+        assert f"### {title}" in out, title
+    assert "ddp: skipped in --quick" in out
+    assert "FAILED" not in out
+    assert (tmp_path / "results.md").read_text().startswith("# flatten_parametrize benchmarks")
+
+
+def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:
+    """Without fairscale its rows read "not installed" and the run still succeeds."""
+    code = (
+        "import sys; sys.modules['fairscale'] = None\n"  # makes `import fairscale` raise ImportError
+        "from benchmarks.run import main\n"
+        f"sys.exit(main(['--quick', '--only', 'access,state_dict', '--out', {str(tmp_path)!r}]))\n"
+    )
+    done = _run(["-c", code], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| fairscale FPW")]
+    assert len(rows) == 2 and all("not installed" in row for row in rows), rows
+
+
+def test_script_entry_point_and_unknown_workload(tmp_path: Path) -> None:
+    """`python benchmarks/run.py --help` works as a script; an unknown --only name is refused."""
+    done = _run(["benchmarks/run.py", "--help"], tmp_path)
+    assert done.returncode == 0 and "--quick" in done.stdout
+    done = _run(["-m", "benchmarks", "--only", "nonsense"], tmp_path)
+    assert done.returncode != 0 and "unknown workload" in done.stderr
+
+
+@pytest.mark.parametrize("rounds", [1, 4])
+def test_fewer_than_five_rounds_is_refused(rounds: int) -> None:
+    """A median needs at least 5 timed rounds."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks._timing import Settings
+    finally:
+        sys.path.remove(str(ROOT))
+    with pytest.raises(ValueError, match="at least 5"):
+        Settings(rounds=rounds)
