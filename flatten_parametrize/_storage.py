@@ -657,18 +657,25 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         else:
             self._commit(loaded)
 
-    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]], tx: Transaction | None = None) -> None:
+    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
+        """Write staged values into the flat buffers with one native call.
+
+        Everything that can fail (casts, device moves, allocation) happens
+        before that call, and a single call cannot be interrupted half-way by
+        a Python exception, so the commit needs no copy of the old values.
+        """
         if not loaded:
             return
         with torch.no_grad():
-            targets = {}
-            for flat, views in zip(self._flat, self._views):
-                if any(entry[0] is views for entry in loaded):
-                    if tx is not None:  # one copy of the group's values, to undo every write at once
-                        tx.keep_values(flat)
-                    targets[id(views)] = views.split(flat.detach())
+            splits = {id(v): v.split(f.detach()) for f, v in zip(self._flat, self._views)}
+            targets, sources = [], []
             for views, index, source in loaded:
-                targets[id(views)][index].copy_(source)
+                target = splits[id(views)][index]
+                if source.dtype != target.dtype or source.device != target.device:
+                    source = source.to(dtype=target.dtype, device=target.device)
+                targets.append(target)
+                sources.append(source)
+            torch._foreach_copy_(targets, sources)
 
     def _load_state_dict(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
         """Load through torch's machinery, then commit the staged slots: all or nothing."""
@@ -677,12 +684,10 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         flat_mode = self._flattened
         snapshot = Snapshot(self.module, set(map(id, self._flat)) if flat_mode else set())
         self._pending = [] if flat_mode else None
-        tx = Transaction()
         try:
             result = base(state_dict, strict=strict, assign=assign)
-            self._commit(self._pending or [], tx)
+            self._commit(self._pending or [])
         except BaseException:
-            tx.rollback()
             snapshot.restore()
             raise
         finally:

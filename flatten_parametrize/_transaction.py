@@ -93,17 +93,6 @@ class Transaction:
         self.on_undo(lambda: torch.utils.swap_tensors(a, b))
         torch.utils.swap_tensors(a, b)
 
-    def keep_values(self, tensor: Tensor) -> None:
-        """Keep a copy of ``tensor``'s values (in host memory for accelerator tensors) to restore them."""
-        with torch.no_grad():
-            backup = tensor.detach().to("cpu", copy=True)
-
-            def restore() -> None:
-                with torch.no_grad():
-                    tensor.copy_(backup)
-
-            self.on_undo(restore)
-
     def write(self, target: Tensor, source: Tensor | None) -> None:
         """Copy ``source`` into ``target`` (zeros if ``None``), keeping the old values for rollback."""
         with torch.no_grad():
