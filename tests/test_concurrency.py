@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,13 +29,7 @@ THREADS = 3  # inference threads beside the training thread
 STEPS = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Python threads provide the concurrency; one intra-op thread each keeps a 2-core machine responsive."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -443,13 +443,7 @@ def _mentions_fault(exc: BaseException) -> bool:
 # --------------------------------------------------------------------------- the check
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny tensors: a single intra-op thread (a thread pool only adds overhead here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _try_fault(

@@ -14,7 +14,6 @@ import gc
 import resource
 import threading
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,13 +26,7 @@ FORWARDS = 2000
 TOGGLES = 500
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Small tensors: a single intra-op thread (a thread pool only adds overhead here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _model() -> nn.Sequential:

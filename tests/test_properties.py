@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,13 +36,7 @@ TOKENS = torch.arange(B)
 RTOL, ATOL = 1e-5, 1e-5  # float32 sums run in another order in a flat buffer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    """Tiny tensors: a single intra-op thread (a thread pool only adds overhead here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # --------------------------------------------------------------------------- random models
