@@ -811,6 +811,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
 
     @property
     def module_unchecked(self) -> nn.Module:
+        """Return the registered module, also while registration is still under way."""
         module = self._root_ref()
         if module is None:
             raise RuntimeError("the module of this flat storage was garbage collected")

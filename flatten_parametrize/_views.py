@@ -151,10 +151,6 @@ class GroupViews:
             view = views[index] = chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
 
-    def all_views(self) -> list[Tensor]:
-        """Return every slot's view of the current flat tensor (one split)."""
-        return [self.view(i) for i in range(len(self._shapes))]
-
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
         chunks = tensor.split(self._split)
@@ -264,6 +260,8 @@ class _GroupSplit(torch.autograd.Function):
             piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
             for piece, size in zip(pieces, sizes)
         ]
+        if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
+            return torch.cat(flat_pieces), None, None
         out = ctx.buffer.take(layout.numel, dtype, device)
         return torch.cat(flat_pieces, out=out), None, None
 

@@ -340,3 +340,21 @@ def test_cpu_flat_gradient_memory_is_reused_when_free():
     model(2 * x).sum().backward()
     assert storage["0"].grad.data_ptr() != kept.data_ptr()
     torch.testing.assert_close(kept, first_values)
+
+
+def test_hessian_vector_product_through_the_flat_parameter_matches_plain():
+    """create_graph=True through the group node (second derivatives w.r.t. the flat weights) works."""
+    from torch.nn.utils import parameters_to_vector
+
+    plain = mlp(2)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    x = torch.randn(4, 5)
+    vector = torch.randn(storage["0"].numel())
+    (grad,) = torch.autograd.grad(model(x).pow(2).sum(), storage["0"], create_graph=True)
+    (hvp,) = torch.autograd.grad((grad * vector).sum(), storage["0"])
+    params = list(plain.parameters())
+    plain_grads = torch.autograd.grad(plain(x).pow(2).sum(), params, create_graph=True)
+    plain_hvp = torch.autograd.grad((parameters_to_vector(plain_grads) * vector).sum(), params)
+    torch.testing.assert_close(grad.detach(), parameters_to_vector(plain_grads).detach())
+    torch.testing.assert_close(hvp, parameters_to_vector(plain_hvp))
