@@ -9,6 +9,7 @@ from torch import nn
 
 from ._flat_parameter import FlatParameter
 from ._grouping import GroupsArg, bucket_groups, resolve_groups
+from ._install import install, uninstall
 from ._layout import plan_group
 from ._names import STORAGE_ATTR
 from ._storage import FlatStorage, _Slot
@@ -130,7 +131,7 @@ def register_flat_storage(
         layouts.append(layout)
         slots += [_Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
     storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots, align)
-    storage._install()
+    install(storage)
     return storage
 
 
@@ -185,4 +186,4 @@ def remove_flat_storage(module: nn.Module) -> None:
             f"{type(module).__name__} has no flat storage to remove; pass the module "
             "given to register_flat_storage"
         )
-    storage._remove()
+    uninstall(storage)

@@ -13,7 +13,6 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor, nn
 
-from ._classes import _METHODS, ModuleState, add_property, make_class
 from ._distributed import DistributedMixin
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._functional import FunctionalMixin
@@ -22,14 +21,7 @@ from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_para
 from ._offload import OffloadMixin
 from ._state_dict import Snapshot, layout_record
 from ._transaction import Transaction, atomically
-from ._views import (
-    GroupViews,
-    HiddenParametrizations,
-    end_trace_split,
-    register_view,
-    same_memory,
-    trace_split,
-)
+from ._views import GroupViews, same_memory
 
 __all__ = ["FlatStorage", "ParamInfo", "FlatTensors"]
 
@@ -742,73 +734,6 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
                 synced_targets[slot.index].copy_(plain[slot.name])
         return synced
 
-    # ---------------------------------------------------------- registration
-    def _install(self) -> None:
-        """Change the module (atomically): classes, parametrizations, flat parameters."""
-        root = self.module_unchecked
-        modules = dict(root.named_modules(remove_duplicate=False))
-        owners: dict[int, nn.Module] = {id(root): root}
-        for slot in self._slots:
-            for name in slot.all_names:
-                owner, _ = _locate(modules, name)
-                owners.setdefault(id(owner), owner)
-        classes = {key: make_class(owner) for key, owner in owners.items()}
-        grads = self._gather_grads()
-
-        def install(tx: Transaction) -> None:
-            for key, owner in owners.items():
-                order = list(owner._parameters)
-                tx.keep_dict(owner.__dict__)
-                tx.keep_dict(owner._parameters)
-                owner.__dict__[MODULE_STATE_ATTR] = ModuleState(self, order, type(owner))
-                tx.set_attr(owner, "__class__", classes[key])
-            for slot in self._slots:
-                views = self._views[slot.group]
-                for name in slot.all_names:
-                    owner, attr = _locate(modules, name)
-                    state: ModuleState = owner.__dict__[MODULE_STATE_ATTR]
-                    if attr in state.slots:  # the same module reached under two paths
-                        continue
-                    original = owner._parameters.pop(attr)
-                    assert original is not None
-                    register_view(owner, attr, views, slot.index, name, original, tx.on_undo)
-                    add_property(type(owner), attr)
-                    state.slots[attr] = (views, slot.index)
-            for name, flat, grad in zip(self._flat_names, self._flat, grads):
-                root.register_parameter(name, flat)
-                flat.grad = grad
-            for slot in self._slots:
-                tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
-            self._add_hooks(root, tx)
-            root.__dict__[STORAGE_ATTR] = self
-            self._refresh_originals(tx)
-
-        atomically(install)
-
-    def _gather_grads(self) -> list[Tensor | None]:
-        """Return each group's flat gradient built from its members' current gradients."""
-        grads: list[Tensor | None] = []
-        with torch.no_grad():
-            for group, (flat, views) in enumerate(zip(self._flat, self._views)):
-                members = [slot for slot in self._slots if slot.group == group]
-                if all(slot.param.grad is None for slot in members):
-                    grads.append(None)
-                    continue
-                grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-                targets = views.split(grad)
-                for slot in members:
-                    if slot.param.grad is not None:
-                        targets[slot.index].copy_(slot.param.grad)
-                grads.append(grad)
-        return grads
-
-    def _add_hooks(self, root: nn.Module, tx: Transaction) -> None:
-        tx.keep_dict(root._forward_pre_hooks)
-        tx.keep_dict(root._forward_hooks)
-        hooks = [root.register_forward_pre_hook(trace_split).id]
-        hooks.append(root.register_forward_hook(end_trace_split).id)
-        tx.set_attr(self, "_hooks", hooks)
-
     @property
     def module_unchecked(self) -> nn.Module:
         """Return the registered module, also while registration is still under way."""
@@ -816,46 +741,6 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         if module is None:
             raise RuntimeError("the module of this flat storage was garbage collected")
         return module
-
-    def _remove_hooks(self, tx: Transaction) -> None:
-        root = self.module_unchecked
-        tx.keep_dict(root._forward_pre_hooks)
-        tx.keep_dict(root._forward_hooks)
-        for hook_id in self._hooks:
-            root._forward_pre_hooks.pop(hook_id, None)
-            root._forward_hooks.pop(hook_id, None)
-        tx.set_attr(self, "_hooks", [])
-
-    def _remove(self) -> None:
-        """Undo the registration: plain parameters with the current values (atomic)."""
-        root = self.module
-
-        def remove(tx: Transaction) -> None:
-            self._flatten(tx)
-            modules = self._modules()
-            with torch.no_grad():
-                values = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
-                grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
-                data = [values[s.group][s.index].clone() for s in self._slots]
-                grad = [None if (g := grads[s.group]) is None else g[s.index].clone() for s in self._slots]
-            for slot, value, slot_grad in zip(self._slots, data, grad):
-                tx.set_attr(slot.param, "data", value)
-                tx.set_attr(slot.param, "requires_grad", self._flat[slot.group].requires_grad)
-                tx.set_attr(slot.param, "grad", slot_grad)
-            tx.keep_dict(root._parameters)
-            for name in self._flat_names:
-                root._parameters.pop(name, None)
-            for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
-                _restore_module(owner, self._slots, modules, tx)
-            self._remove_hooks(tx)
-            tx.keep_dict(root.__dict__)
-            root.__dict__.pop(STORAGE_ATTR, None)
-            tx.set_attr(self, "_flattened", False)
-
-        atomically(remove)
-        self._invalidate()
-        self._release_files()  # values are in RAM now: delete the offload files
-        self.disable_grad_sync()  # remove the grad-sync hooks
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         new = FlatStorage.__new__(FlatStorage)
@@ -931,37 +816,3 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
-
-
-def _restore_module(
-    owner: nn.Module, slots: Sequence[_Slot], modules: dict[str, nn.Module], tx: Transaction
-) -> None:
-    """Give ``owner`` back its parameters, its container of parametrizations and its class."""
-    tx.keep_dict(owner.__dict__)
-    tx.keep_dict(owner._parameters)
-    tx.keep_dict(owner._modules)
-    state: ModuleState = owner.__dict__.pop(MODULE_STATE_ATTR)
-    container = owner.__dict__.get("parametrizations", owner._modules.get("parametrizations"))
-    if container is not None:
-        tx.keep_dict(container._modules)
-        for attr in state.slots:
-            container._modules.pop(attr, None)
-    for slot in slots:
-        for name in slot.all_names:
-            found, attr = _locate(modules, name)
-            if found is owner:
-                owner._parameters[attr] = slot.param
-    _reorder(owner._parameters, state.order)
-    if isinstance(container, HiddenParametrizations):
-        if len(container):
-            # Another parametrization was registered after ours: keep its property.
-            namespace = {
-                k: v
-                for k, v in type(owner).__dict__.items()
-                if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in _METHODS
-            }
-            tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
-            return
-        owner.__dict__.pop("parametrizations", None)
-        owner._modules.pop("parametrizations", None)
-    tx.set_attr(owner, "__class__", state.prev_class)

@@ -239,9 +239,9 @@ def test_registration_is_atomic_when_a_class_cannot_be_created():
 
 def test_registration_is_atomic_when_a_late_step_fails(monkeypatch):
     """If installing the k-th view fails, everything installed before is undone."""
-    import flatten_parametrize._storage as storage_module
+    import flatten_parametrize._install as install_module
 
-    real = storage_module.register_view
+    real = install_module.register_view
     for fail_at in range(4):
         calls = {"n": 0}
 
@@ -255,10 +255,10 @@ def test_registration_is_atomic_when_a_late_step_fails(monkeypatch):
         params = dict(model.named_parameters())
         before = values(model)
         text = str(model)
-        monkeypatch.setattr(storage_module, "register_view", flaky)
+        monkeypatch.setattr(install_module, "register_view", flaky)
         with pytest.raises(RuntimeError, match="injected failure"):
             register_flat_storage(model)
-        monkeypatch.setattr(storage_module, "register_view", real)
+        monkeypatch.setattr(install_module, "register_view", real)
         assert dict(model.named_parameters()) == params
         assert all(p.is_leaf for p in params.values())
         after = values(model)
