@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from ._per_group import per_group
+
 if TYPE_CHECKING:
     from ._flat_parameter import FlatParameter
 
@@ -60,31 +62,9 @@ class FunctionalMixin:
 
     def _stacked(self, stacked: StackedTensors) -> list[Tensor]:
         groups = self._group_names
-        if isinstance(stacked, Tensor):
-            items = [stacked] if len(groups) == 1 else None
-        elif isinstance(stacked, Mapping):
-            if sorted(stacked) != sorted(groups):
-                raise ValueError(
-                    f"call_stacked() needs one stack per group {groups}; got keys {sorted(stacked)}"
-                )
-            items = [stacked[g] for g in groups]
-        elif isinstance(stacked, Sequence) and not isinstance(stacked, (str, bytes)):
-            items = list(stacked)
-        else:
-            items = None
-        if items is None:
-            raise TypeError(
-                "call_stacked() takes one (k, numel) tensor per group: a list in group order "
-                f"or a dict by group name; got {type(stacked).__name__} for groups {groups}"
-            )
-        if len(items) != len(groups):
-            raise ValueError(
-                f"call_stacked() needs one stack per group ({len(groups)}: {groups}); got {len(items)}"
-            )
+        items = per_group(stacked, groups, "call_stacked()", "stack", "(k, numel) tensor")
         ks = set()
         for group, item, flat in zip(groups, items, self._flat):
-            if not isinstance(item, Tensor):
-                raise TypeError(f"call_stacked(): the stack of group '{group}' must be a Tensor")
             if item.dim() != 2 or item.shape[1] != flat.numel():
                 raise ValueError(
                     f"call_stacked(): group '{group}' needs a (k, {flat.numel()}) stack; "

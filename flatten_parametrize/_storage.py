@@ -19,6 +19,7 @@ from ._functional import FunctionalMixin
 from ._layout import GroupLayout
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
 from ._offload import OffloadMixin
+from ._per_group import per_group
 from ._state_dict import Snapshot, layout_record
 from ._transaction import Transaction, atomically
 from ._views import GroupViews, same_memory
@@ -253,37 +254,8 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
 
     def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
         groups = self._group_names
-        if isinstance(tensors, Tensor):
-            if len(groups) != 1:
-                raise TypeError(
-                    f"{what} got a single tensor but this storage has {len(groups)} groups "
-                    f"{groups}; pass a list in group order or a dict by group name"
-                )
-            items = [tensors]
-        elif isinstance(tensors, Mapping):
-            missing = [g for g in groups if g not in tensors]
-            unknown = [k for k in tensors if k not in groups]
-            if missing or unknown:
-                raise ValueError(
-                    f"{what} needs one tensor per group {groups}; missing {missing}, unknown {unknown}"
-                )
-            items = [tensors[g] for g in groups]
-        elif isinstance(tensors, Sequence) and not isinstance(tensors, (str, bytes)):
-            items = list(tensors)
-            if len(items) != len(groups):
-                raise ValueError(
-                    f"{what} needs one tensor per group ({len(groups)}: {groups}); got {len(items)}"
-                )
-        else:
-            raise TypeError(
-                f"{what} takes a list of tensors in group order or a dict by group name; "
-                f"got {type(tensors).__name__}"
-            )
+        items = per_group(tensors, groups, what, "tensor", "flat-shaped tensor")
         for group, item, flat in zip(groups, items, self._flat):
-            if not isinstance(item, Tensor):
-                raise TypeError(
-                    f"{what}: the entry for group '{group}' must be a Tensor; got {type(item).__name__}"
-                )
             if item.shape != flat.shape:
                 raise ValueError(
                     f"{what}: group '{group}' needs a one-dimensional tensor of "
