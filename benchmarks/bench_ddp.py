@@ -1,7 +1,7 @@
 """Data-parallel training step: flat-storage gradient sync against ``DistributedDataParallel``.
 
-Two gloo processes on 127.0.0.1 each train four copies of the same MLP on the
-same batch (SGD; zero_grad, forward, backward with gradient sync, step):
+Each contender trains the same MLP on the same batches with 2 gloo processes on
+127.0.0.1 (SGD; zero_grad, forward, backward with gradient sync, step):
 
 * ``DDP``: ``DistributedDataParallel`` with its defaults (25 MiB buckets,
   gradients copied into its buckets), the baseline;
@@ -13,16 +13,22 @@ same batch (SGD; zero_grad, forward, backward with gradient sync, step):
 * ``flat, one group``: one flat parameter, reduced once backward ends (no
   overlap).
 
-Contenders alternate in every round (forward order, then reverse), after a
+Every contender has a pair of processes of its own, and all pairs are alive
+at once: the launcher times one pair at a time (the others wait on stdin),
+alternating contenders in every round (forward order, then reverse) after a
 warm-up; a round times the same number of steps on both ranks (the slower
-rank's time counts). The table gives the median time per step over the
-rounds, its ratio to DDP (target: ``flat, buckets`` <= 1.0) and, as a
-diagnostic, the minor page faults per step (the larger count of the two
-ranks): a gradient buffer that the C allocator hands back to the system at
-``zero_grad()`` is faulted in again, page by page, by the next backward.
-``--no-trim`` runs the ranks with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` raised, so that freed buffers are reused; compare
-both runs to see that cost.
+rank's time counts). Separate processes matter: a process's C heap is shared
+by everything in it, and a contender's page faults then depend on what the
+others allocated (measured in one process, DDP took 0 faults per step next to
+the flat models and about 12,000 alone).
+
+The table gives the median time per step over the rounds, its ratio to DDP
+(target: ``flat, buckets`` <= 1.0) and, as a diagnostic, the minor page faults
+per step (the larger count of the two ranks): gradient memory that the C
+allocator hands back to the system is faulted in again, page by page, by the
+next backward. ``--no-trim`` runs the ranks with glibc's
+``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` raised, so that
+freed buffers are reused; compare both runs to see that cost.
 
 Usage: ``python benchmarks/bench_ddp.py [--quick]`` (``--help`` for sizes).
 """
@@ -30,16 +36,15 @@ Usage: ``python benchmarks/bench_ddp.py [--quick]`` (``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -78,8 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised (diagnostic)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is abandoned")
-    parser.add_argument("--worker", nargs=2, metavar=("RANK", "PORT"), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
     return parser
 
 
@@ -104,8 +108,14 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- one rank
 
+#: Lines of the launcher protocol start with this (anything else a rank prints is passed over).
+TAG = "@bench "
 
-def _worker(rank: int, port: int, config: dict[str, Any], result: Path) -> None:
+
+def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
+    """Build one contender on this rank, warm it up, then time ``steps`` steps per ``go`` line on stdin."""
+    if contender not in CONTENDERS:
+        raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -126,56 +136,42 @@ def _worker(rank: int, port: int, config: dict[str, Any], result: Path) -> None:
     layers: list[nn.Module] = []
     for _ in range(config["depth"]):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    base = nn.Sequential(*layers)
+    model: nn.Module = nn.Sequential(*layers)
+    params = sum(p.numel() for p in model.parameters())
     x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(rank))
-
-    models: dict[str, nn.Module] = {
-        DDP: DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap),
-        DDP_VIEW: DistributedDataParallel(
-            copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=True
-        ),
-    }
-    groups = {}
-    for name, bucket_cap_mb in ((FLAT, cap), (FLAT_ONE, None)):
-        model = copy.deepcopy(base)
-        storage = register_flat_storage(model, bucket_cap_mb=bucket_cap_mb)
+    groups = None
+    if contender in (DDP, DDP_VIEW):
+        model = DistributedDataParallel(
+            model, bucket_cap_mb=cap, gradient_as_bucket_view=contender == DDP_VIEW
+        )
+    else:
+        storage = register_flat_storage(model, bucket_cap_mb=cap if contender == FLAT else None)
         storage.broadcast_params()
         storage.enable_grad_sync()
-        models[name] = model
-        groups[name] = len(storage.group_names)
+        groups = len(storage.group_names)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    def step_fn(model: nn.Module) -> Callable[[], None]:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    def step() -> None:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
 
-        def step() -> None:
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
-
-        return step
-
-    steps = {name: step_fn(model) for name, model in models.items()}
     for _ in range(config["warmup"]):
-        for step in steps.values():
+        step()
+    print(TAG + json.dumps({"params": params, "groups": groups}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        dist.barrier()
+        faults_before = _minor_faults()
+        start = time.perf_counter()
+        for _ in range(config["steps"]):
             step()
-    samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    faults: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for r in range(config["rounds"]):
-        for name in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
-            dist.barrier()
-            faults_before = _minor_faults()
-            start = time.perf_counter()
-            for _ in range(config["steps"]):
-                steps[name]()
-            elapsed = time.perf_counter() - start
-            measured = torch.tensor([elapsed, _minor_faults() - faults_before], dtype=torch.float64)
-            dist.all_reduce(measured, dist.ReduceOp.MAX)  # the slower rank's time counts
-            samples[name].append(float(measured[0]) / config["steps"])
-            faults[name].append(float(measured[1]) / config["steps"])
-    params = sum(p.numel() for p in base.parameters())
-    if rank == 0:
-        result.write_text(
-            json.dumps({"samples": samples, "faults": faults, "params": params, "groups": groups})
+        elapsed = time.perf_counter() - start
+        faults = _minor_faults() - faults_before
+        print(
+            TAG + json.dumps({"seconds": elapsed / config["steps"], "faults": faults / config["steps"]}),
+            flush=True,
         )
     dist.destroy_process_group()
 
@@ -198,44 +194,99 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker_args(rank: int, port: int, result: Path) -> list[str]:
-    return ["--worker", str(rank), str(port), "--result", str(result)]
+class _Rank:
+    """One rank of one contender: a subprocess that answers each ``go`` with one measurement."""
+
+    def __init__(
+        self, argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]
+    ) -> None:
+        self.name = f"{contender!r} rank {rank}"
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                *argv,
+                "--worker",
+                str(rank),
+                str(port),
+                contender,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """Return the rank's next protocol message (other output is kept for error reports)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])  # type: ignore[no-any-return]
+            self.log = [*self.log[-40:], line.rstrip()]
+        raise RuntimeError(
+            f"bench_ddp: {self.name} ended (exit code {self.proc.wait()}) or was stopped at the "
+            "time limit; its last output:\n" + "\n".join(self.log)
+        )
 
 
 def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run both ranks as subprocesses of this script; return rank 0's measurements."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), *argv, *_worker_args(rank, port, result)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env={**os.environ, "OMP_NUM_THREADS": str(config["threads"]), **_malloc_env(config)},
-            )
-            for rank in range(WORLD)
-        ]
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = [p for p in procs if p.returncode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        outputs = [p.communicate()[0] for p in procs]
-        if any(p.returncode != 0 for p in procs) or not result.exists():
-            report = "\n".join(
-                f"--- rank {rank} (exit code {p.returncode}):\n{out[-3000:]}"
-                for rank, (p, out) in enumerate(zip(procs, outputs))
-            )
-            raise RuntimeError(f"bench_ddp: a rank failed or the run passed {timeout:.0f} s\n{report}")
-        return json.loads(result.read_text())  # type: ignore[no-any-return]
+    """Start both ranks of every contender, then time them in turns; return the measurements.
+
+    Each contender has its own pair of processes, all alive at once: only the
+    pair being timed runs (the others wait on stdin), so rounds alternate
+    contenders as before while no contender shares a C heap with another.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), **_malloc_env(config)}
+    pairs = {}
+    for name in CONTENDERS:
+        port = _free_port()
+        pairs[name] = [_Rank(argv, rank, port, name, env) for rank in range(WORLD)]
+    ranks = [rank for pair in pairs.values() for rank in pair]
+
+    def stop_all() -> None:
+        for rank in ranks:
+            rank.proc.kill()
+
+    watchdog = threading.Timer(timeout, stop_all)
+    watchdog.start()
+    try:
+        ready = {}
+        for name, pair in pairs.items():
+            messages = [rank.receive() for rank in pair]  # both ranks are warm
+            ready[name] = messages[0]
+        samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        faults: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+        for r in range(config["rounds"]):
+            for name in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
+                for rank in pairs[name]:
+                    rank.send("go")
+                measured = [rank.receive() for rank in pairs[name]]
+                samples[name].append(max(m["seconds"] for m in measured))  # the slower rank counts
+                faults[name].append(max(m["faults"] for m in measured))
+        for rank in ranks:
+            rank.send("stop")
+        for rank in ranks:
+            rank.proc.wait()
+    finally:
+        watchdog.cancel()
+        for rank in ranks:
+            if rank.proc.poll() is None:
+                rank.proc.kill()
+            rank.proc.wait()
+    return {
+        "samples": samples,
+        "faults": faults,
+        "params": ready[DDP]["params"],
+        "groups": {name: ready[name]["groups"] for name in (FLAT, FLAT_ONE)},
+    }
 
 
 def _malloc_env(config: dict[str, Any]) -> dict[str, str]:
@@ -262,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     config = _config(args)
     if args.worker is not None:
-        _worker(int(args.worker[0]), int(args.worker[1]), config, args.result)
+        _worker(int(args.worker[0]), int(args.worker[1]), args.worker[2], config)
         return {}
     start = time.perf_counter()
     measured = _launch(argv, config, args.timeout)

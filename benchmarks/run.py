@@ -47,7 +47,9 @@ Written by `python -m benchmarks --save-results` (see `python -m benchmarks --he
 workload alternates its contenders in one process after a warm-up (forward order, then reverse)
 and reports the median over the timed rounds, the spread (half the interquartile range relative
 to the median) and the ratio to the plain model; only ratios within one table are comparable,
-since machine load drifts between tables. Registration runs in fresh subprocesses.
+since machine load drifts between tables. Registration runs in fresh subprocesses; the
+data-parallel workload gives each contender its own pair of processes (a shared C heap
+changes page faults).
 """
 
 

@@ -56,9 +56,7 @@ class FunctionalMixin:
         """
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"stack(k) needs an integer k >= 1; got {k!r}")
-        return [
-            flat.detach().unsqueeze(0).repeat(k, 1).requires_grad_(requires_grad) for flat in self._flat
-        ]
+        return [flat.detach().unsqueeze(0).repeat(k, 1).requires_grad_(requires_grad) for flat in self._flat]
 
     def _stacked(self, stacked: StackedTensors) -> list[Tensor]:
         groups = self._group_names

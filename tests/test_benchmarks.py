@@ -74,3 +74,32 @@ def test_fewer_than_five_rounds_is_refused(rounds: int) -> None:
         sys.path.remove(str(ROOT))
     with pytest.raises(ValueError, match="at least 5"):
         Settings(rounds=rounds)
+
+
+def test_ddp_benchmark_quick_run_times_every_contender_in_its_own_processes(tmp_path: Path) -> None:
+    """`benchmarks/bench_ddp.py --quick` starts a process pair per contender and prints the ratio table."""
+    done = _run(["benchmarks/bench_ddp.py", "--quick", "--timeout", "240"], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| DDP", "| flat"))]
+    assert [row.split("|")[1].split("(")[0].strip() for row in rows] == [
+        "DDP",
+        "DDP gradient_as_bucket_view",
+        "flat, buckets",
+        "flat, one group",
+    ]
+    assert "Target `flat, buckets` / DDP <= 1.00:" in done.stdout
+
+
+def test_ddp_benchmark_reports_a_rank_that_ends_instead_of_waiting(tmp_path: Path) -> None:
+    """A rank that exits before answering raises with its exit code and last output."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from benchmarks.bench_ddp import _Rank
+    finally:
+        sys.path.remove(str(ROOT))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rank = _Rank(["--quick"], 0, 1, "no such contender", env)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)'no such contender' rank 0 ended \(exit code 1\).*unknown contender"
+    ):
+        rank.receive()

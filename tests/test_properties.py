@@ -338,9 +338,7 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
         plain_out = torch.func.functional_call(self.plain, substitutes, (x,))
         plain_out.pow(2).mean().backward()
         _close(out, plain_out, "output inside using()")
-        grads = self.storage.views_of(
-            [torch.zeros_like(t) if t.grad is None else t.grad for t in tensors]
-        )
+        grads = self.storage.views_of([torch.zeros_like(t) if t.grad is None else t.grad for t in tensors])
         for name, grad in grads.items():
             _close(grad, substitutes[self.prefix + name].grad, f"using() gradient of {name}")
 
