@@ -220,9 +220,13 @@ class _Rank:
         )
 
     def send(self, line: str) -> None:
+        """Write one protocol line to the rank."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the rank is gone: report what it printed
+            self.receive()
 
     def receive(self) -> dict[str, Any]:
         """Return the rank's next protocol message (other output is kept for error reports)."""

@@ -99,7 +99,8 @@ def test_ddp_benchmark_reports_a_rank_that_ends_instead_of_waiting(tmp_path: Pat
         sys.path.remove(str(ROOT))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     rank = _Rank(["--quick"], 0, 1, "no such contender", env)
-    with pytest.raises(
-        RuntimeError, match=r"(?s)'no such contender' rank 0 ended \(exit code 1\).*unknown contender"
-    ):
+    expected = r"(?s)'no such contender' rank 0 ended \(exit code 1\).*unknown contender"
+    with pytest.raises(RuntimeError, match=expected):
         rank.receive()
+    with pytest.raises(RuntimeError, match=expected):
+        rank.send("go")  # writing to a rank that is gone reports its output too
