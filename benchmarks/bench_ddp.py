@@ -36,6 +36,7 @@ Usage: ``python benchmarks/bench_ddp.py [--quick]`` (``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -188,10 +189,13 @@ def _minor_faults() -> int:
 # ------------------------------------------------------------------ launcher
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct free ports (all probe sockets stay open until each has its port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 class _Rank:
@@ -227,6 +231,7 @@ class _Rank:
             self.proc.stdin.flush()
         except OSError:  # the rank is gone: report what it printed
             self.receive()
+            raise
 
     def receive(self) -> dict[str, Any]:
         """Return the rank's next protocol message (other output is kept for error reports)."""
@@ -249,10 +254,10 @@ def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict
     contenders as before while no contender shares a C heap with another.
     """
     env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), **_malloc_env(config)}
-    pairs = {}
-    for name in CONTENDERS:
-        port = _free_port()
-        pairs[name] = [_Rank(argv, rank, port, name, env) for rank in range(WORLD)]
+    pairs = {
+        name: [_Rank(argv, rank, port, name, env) for rank in range(WORLD)]
+        for name, port in zip(CONTENDERS, _free_ports(len(CONTENDERS)))
+    }
     ranks = [rank for pair in pairs.values() for rank in pair]
 
     def stop_all() -> None:
