@@ -34,10 +34,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from ._flat_parameter import FlatParameter
+    from ._views import GroupViews
 
 __all__ = ["DistributedMixin"]
 
@@ -45,6 +47,7 @@ __all__ = ["DistributedMixin"]
 REDUCE_OPS = ("mean", "sum")
 
 _graph_task_id: Callable[[], int] = torch._C._current_graph_task_id  # type: ignore[attr-defined]
+_will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node  # type: ignore[attr-defined]
 
 
 def _current_node() -> Any:
@@ -120,7 +123,15 @@ class _GradSync:
         self.group = group
         self.world = world
         self.handles: list[RemovableHandle | None] = [None] * groups
+        self.pre_handles: list[RemovableHandle | None] = [None] * groups
         self.hooked: list[Tensor | None] = [None] * groups
+        #: The gradient accumulator node of each hooked flat parameter.
+        self.accumulators: list[Any] = [None] * groups
+        #: The backward (graph task) whose gradient of each group was divided as it was built.
+        self.prescaled: list[int | None] = [None] * groups
+        #: Whether backward may divide gradients as it builds them: only where the collective
+        #: cannot average by itself (gloo; NCCL has ``ReduceOp.AVG``).
+        self.may_prescale = world > 1 and "nccl" not in str(dist.get_backend(group))
         self.forward_handle: RemovableHandle | None = None
         #: Launch order shared by all ranks; ``None`` until the first synced backward ends.
         self.order: list[int] | None = None
@@ -133,6 +144,83 @@ class _GradSync:
         self.seen: list[int] = []
         self.next = 0
         self.works: list[dist.Work] = []
+
+
+class _Prescale:
+    """Has a group's split node divide its flat gradient by the world size while building it.
+
+    A gloo average is a sum followed by a division: dividing while the flat
+    gradient is copied together saves a pass over it, as DDP divides while
+    copying into its buckets. Backward divides only when it can tell that the
+    gradient ends up in ``flat.grad`` of the hooked flat parameter, which has
+    no ``.grad`` yet and no other tensor hook (``torch.autograd.grad``, gradient
+    accumulation and ``no_sync`` keep the plain path). If something else adds
+    to the same gradient in that backward (the flat parameter used directly,
+    say), :func:`_prescale_hook` corrects the sum before it is accumulated.
+    """
+
+    __slots__ = ("_g", "_outs", "_ref", "_task")
+
+    def __init__(self, ref: weakref.ref[DistributedMixin], g: int) -> None:
+        self._ref = ref
+        self._g = g
+        self._task: int | None = None
+        self._outs: list[Tensor] = []
+
+    def divisor(self, flat: Tensor) -> int | None:
+        storage = self._ref()
+        if storage is None:
+            return None
+        state = storage._grad_sync
+        if state is None or storage._no_sync_depth or not state.may_prescale:
+            return None
+        g = self._g
+        if state.hooked[g] is not flat or flat.grad is not None or len(flat._backward_hooks or ()) != 1:
+            return None
+        try:
+            if not _will_execute(state.accumulators[g]):
+                return None
+        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
+            return None
+        task = _graph_task_id()
+        if self._task != task:
+            self._task, self._outs = task, []
+        return state.world
+
+    def produced(self, grad: Tensor) -> None:
+        self._outs.append(grad)
+
+    def take(self) -> list[Tensor]:
+        """Return (and forget) the gradients this backward divided while building them."""
+        outs = self._outs if self._task == _graph_task_id() else []
+        self._task, self._outs = None, []
+        return outs
+
+
+def _prescale_hook(ref: weakref.ref[DistributedMixin], g: int) -> Callable[[Tensor], Tensor | None]:
+    """Return the tensor hook of group ``g``'s flat parameter (runs before accumulation).
+
+    It marks a gradient divided in backward, so that the collective only sums
+    it, and corrects a gradient that also got undivided contributions.
+    """
+
+    def hook(grad: Tensor) -> Tensor | None:
+        storage = ref()
+        state = None if storage is None else storage._grad_sync
+        prescale = None if storage is None else storage._views[g].grad_buffer.prescale
+        if state is None or not isinstance(prescale, _Prescale):
+            return None
+        outs = prescale.take()
+        if not outs:
+            return None
+        state.prescaled[g] = _graph_task_id()
+        if len(outs) == 1 and grad.data_ptr() == outs[0].data_ptr():
+            return None  # the divided gradient is the whole gradient
+        divided = outs[0] if len(outs) == 1 else torch.stack(outs).sum(0)
+        # grad = divided + rest; the average needs divided + rest / world.
+        return grad.sub(divided).div_(state.world).add_(divided)
+
+    return hook
 
 
 class _RehookOnForward:
@@ -176,6 +264,7 @@ class DistributedMixin:
 
     if TYPE_CHECKING:
         _flat: list[FlatParameter]
+        _views: list[GroupViews]
         _group_names: list[str]
         _flattened: bool
         _root_ref: weakref.ref[nn.Module]
@@ -328,6 +417,11 @@ class DistributedMixin:
           ``backward``; use ``use_reentrant=False``.
         * A flat parameter replaced by ``module.to()`` gets its hook again at
           the next forward of the registered module.
+        * Where the backend cannot average inside the collective (gloo),
+          backward divides a flat gradient by the world size while copying it
+          together and the collective only sums, saving a pass over the
+          gradient (DDP divides while copying into its buckets). A tensor
+          hook on a flat parameter still sees the local, undivided gradient.
 
         A rank that fails or stops makes the others' collectives fail after
         the process group's timeout (``init_process_group(timeout=...)``),
@@ -380,9 +474,11 @@ class DistributedMixin:
         """
         state, self._grad_sync = self._grad_sync, None
         if state is not None:
-            for handle in state.handles:
+            for handle in state.handles + state.pre_handles:
                 if handle is not None:
                     handle.remove()
+            for group in self._views:
+                group.grad_buffer.prescale = None
             if state.forward_handle is not None:
                 state.forward_handle.remove()
         module = self._root_ref()
@@ -425,11 +521,14 @@ class DistributedMixin:
         for g, flat in enumerate(self._flat):
             if state.hooked[g] is flat or not flat.requires_grad:
                 continue
-            handle = state.handles[g]
-            if handle is not None:
-                handle.remove()
+            for handle in (state.handles[g], state.pre_handles[g]):
+                if handle is not None:
+                    handle.remove()
             state.handles[g] = flat.register_post_accumulate_grad_hook(_grad_ready_hook(ref, g))
+            state.pre_handles[g] = flat.register_hook(_prescale_hook(ref, g))
+            state.accumulators[g] = get_gradient_edge(flat).node
             state.hooked[g] = flat
+            self._views[g].grad_buffer.prescale = _Prescale(ref, g)
 
     def _grad_ready(self, g: int) -> None:
         """Hook body: group ``g``'s flat gradient is final for this backward."""
@@ -455,7 +554,8 @@ class DistributedMixin:
             if flat.requires_grad:
                 if not (final or state.ready[g]):
                     return
-                state.works.append(_all_reduce(_flat_grad(flat), state.group, state.world, "mean"))
+                op = "sum" if state.prescaled[g] == state.task else "mean"  # divided in backward
+                state.works.append(_all_reduce(_flat_grad(flat), state.group, state.world, op))
             state.next += 1
 
     def _backward_end(self, state: _GradSync) -> None:

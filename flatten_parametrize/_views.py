@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any, Callable, cast
+from typing import Any, Callable, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +86,11 @@ class GroupViews:
         self._tls = threading.local()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
+
+    @property
+    def grad_buffer(self) -> GradBuffer:
+        """Return the group's reusable flat-gradient memory (shared by all its split nodes)."""
+        return self._grad_buffer
 
     def invalidate(self) -> None:
         """Drop every thread's cached views (they hold the old flat tensor alive)."""
@@ -178,6 +183,21 @@ class GroupViews:
         )
 
 
+class Prescale(Protocol):
+    """Lets the split node divide a flat gradient while building it (see ``_distributed``)."""
+
+    def divisor(self, flat: Tensor) -> int | None:
+        """Return the divisor for this backward's gradient of ``flat``, or ``None`` to leave it."""
+
+    def produced(self, grad: Tensor) -> None:
+        """Take note of a gradient that was divided while it was built."""
+
+
+#: Dividing while copying costs one small op per segment; below this many bytes per segment on
+#: average, one ``cat`` and a separate division pass are cheaper.
+PRESCALE_MIN_SEGMENT_BYTES = 16 * 1024
+
+
 class GradBuffer:
     """One reusable CPU buffer for a group's flat gradient.
 
@@ -187,10 +207,12 @@ class GradBuffer:
     backward is no longer used (the gradient was dropped by
     ``zero_grad(set_to_none=True)``, or added into the kept ``.grad``),
     backward writes into it again instead. It holds no reference to the views
-    or the module (it is reachable from autograd nodes).
+    or the module (it is reachable from autograd nodes). While gradient sync
+    is enabled, ``prescale`` may have backward divide the gradient as it is
+    copied together.
     """
 
-    __slots__ = ("_kept", "_lock")
+    __slots__ = ("_kept", "_lock", "prescale")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -199,6 +221,8 @@ class GradBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: list[torch.UntypedStorage] = []
+        #: Set while gradient sync may have backward divide this group's flat gradient.
+        self.prescale: Prescale | None = None
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Return a tensor of ``numel`` elements: kept memory that nothing uses, else new memory."""
@@ -245,6 +269,7 @@ class _GroupSplit(torch.autograd.Function):
         flat, layout, buffer = inputs
         ctx.layout = layout
         ctx.buffer = buffer
+        ctx.flat = weakref.ref(flat)
         ctx.like = (flat.dtype, flat.device)
         ctx.set_materialize_grads(False)
 
@@ -256,14 +281,35 @@ class _GroupSplit(torch.autograd.Function):
         pieces: list[Tensor | None] = [None] * len(sizes)
         for seg, grad in zip(layout.segments, grads):
             pieces[seg] = grad
-        flat_pieces = [
-            piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
-            for piece, size in zip(pieces, sizes)
-        ]
         if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
-            return torch.cat(flat_pieces), None, None
-        out = ctx.buffer.take(layout.numel, dtype, device)
-        return torch.cat(flat_pieces, out=out), None, None
+            return torch.cat(_flat_pieces(pieces, sizes, dtype, device)), None, None
+        buffer: GradBuffer = ctx.buffer
+        out = buffer.take(layout.numel, dtype, device)
+        prescale, divisor = buffer.prescale, None
+        if prescale is not None and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
+            flat = ctx.flat()
+            if flat is not None:
+                divisor = prescale.divisor(flat)
+        if prescale is None or divisor is None:
+            return torch.cat(_flat_pieces(pieces, sizes, dtype, device), out=out), None, None
+        # Divide while copying, instead of one more pass over the whole gradient later.
+        for chunk, piece in zip(out.split(sizes), pieces):
+            if piece is None:
+                chunk.zero_()
+            else:
+                torch.div(piece, divisor, out=chunk.view(piece.shape))
+        prescale.produced(out)
+        return out, None, None
+
+
+def _flat_pieces(
+    pieces: list[Tensor | None], sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[Tensor]:
+    """Return the segments of a flat gradient as 1-D tensors, zeros where none was computed."""
+    return [
+        piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
+        for piece, size in zip(pieces, sizes)
+    ]
 
 
 def trace_split(module: nn.Module, args: Any) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from flatten_parametrize import register_flat_storage, remove_flat_storage
+from flatten_parametrize import _distributed, register_flat_storage, remove_flat_storage
 
 from _models import mlp, values
 
@@ -200,8 +200,46 @@ def _scenario_all_reduce_sum(rank: int, world: int) -> dict[str, Any]:
     return {"local": local, "reduced": storage["0"].grad.clone()}
 
 
+def _scenario_divided_in_backward(rank: int, world: int) -> dict[str, Any]:
+    ops: list[str] = []
+    real = _distributed._all_reduce
+
+    def record(grad: torch.Tensor, group: Any, world: int, op: str) -> Any:
+        ops.append(op)
+        return real(grad, group, world, op)
+
+    _distributed._all_reduce = record
+    try:
+        plain = mlp(depth=2, width=128)  # segments large enough to divide while copying
+        model = copy.deepcopy(plain)
+        storage = register_flat_storage(model, bucket_cap_mb=0.07)
+        storage.broadcast_params()
+        storage.enable_grad_sync()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+        per_rank = 8 // world
+        for step in range(3):
+            x, y = _batch(step, width=128)
+            mine = slice(rank * per_rank, (rank + 1) * per_rank)
+            opt.zero_grad()
+            loss = _mse(model(x[mine]), y[mine])
+            ref.zero_grad()
+            plain_loss = _mse(plain(x), y)
+            if step == 2:  # the flat parameters used directly too: a contribution not divided in backward
+                loss = loss + 1e-2 * sum(flat.pow(2).sum() for flat in storage.flat_params)
+                plain_loss = plain_loss + 1e-2 * sum(p.pow(2).sum() for p in plain.parameters())
+            loss.backward()
+            opt.step()
+            plain_loss.backward()
+            ref.step()
+    finally:
+        _distributed._all_reduce = real
+    return {"synced": values(model), "plain": values(plain), "ops": ops}
+
+
 _SCENARIOS = {
     "sync_training": _scenario_sync_training,
+    "divided_in_backward": _scenario_divided_in_backward,
     "no_sync": _scenario_no_sync,
     "unused_group": _scenario_unused_group,
     "broadcast": _scenario_broadcast,
@@ -267,6 +305,14 @@ def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
             torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
     for key in first["synced"]:
         assert torch.equal(first["synced"][key], second["synced"][key])
+
+
+def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
+    """With large segments backward divides by the world size and the collective only sums; same training."""
+    for result in _results(two_ranks, "divided_in_backward"):
+        assert set(result["ops"]) == {"sum"}, result["ops"]
+        for key in result["plain"]:
+            torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
 
 
 def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
@@ -571,8 +617,12 @@ def test_grad_sync_refuses_reentrant_checkpointing(collectives, block):
 def _sync_hooks(model: nn.Module, storage) -> int:
     from flatten_parametrize._distributed import _RehookOnForward
 
-    on_flat = sum(len(f._post_accumulate_grad_hooks or {}) for f in storage.flat_params)
-    return on_flat + sum(isinstance(h, _RehookOnForward) for h in model._forward_pre_hooks.values())
+    on_flat = sum(
+        len(f._post_accumulate_grad_hooks or {}) + len(f._backward_hooks or {}) for f in storage.flat_params
+    )
+    prescale = sum(group.grad_buffer.prescale is not None for group in storage._views)
+    forward = sum(isinstance(h, _RehookOnForward) for h in model._forward_pre_hooks.values())
+    return on_flat + prescale + forward
 
 
 def test_disable_grad_sync_removes_every_hook(collectives):
@@ -580,7 +630,7 @@ def test_disable_grad_sync_removes_every_hook(collectives):
     model = _blocks(2)
     storage = register_flat_storage(model, [[m] for m in model])
     storage.enable_grad_sync()
-    assert _sync_hooks(model, storage) == 3
+    assert _sync_hooks(model, storage) == 7  # per group: 2 hooks and the prescale; 1 forward hook
     storage.disable_grad_sync()
     assert _sync_hooks(model, storage) == 0
     model(torch.ones(1, 4)).sum().backward()
@@ -595,7 +645,7 @@ def test_remove_flat_storage_removes_sync_hooks(world1):
     flats = storage.flat_params
     storage.enable_grad_sync()
     remove_flat_storage(model)
-    assert not any(f._post_accumulate_grad_hooks for f in flats)
+    assert not any(f._post_accumulate_grad_hooks or f._backward_hooks for f in flats)
     assert dict(model._forward_pre_hooks) == {}
 
 
@@ -613,7 +663,7 @@ def test_grad_sync_follows_flat_parameters_replaced_by_to(collectives):
     assert storage["0"] is not old
     model(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
     assert _reduced_groups(storage, collectives) == ["0"]
-    assert not old._post_accumulate_grad_hooks
+    assert not old._post_accumulate_grad_hooks and not old._backward_hooks
 
 
 def test_deep_copy_of_a_synced_model_does_not_sync(collectives):
@@ -647,6 +697,164 @@ def test_failed_collective_raises_from_backward_and_sync_recovers(world1, monkey
     model.zero_grad()
     model(torch.ones(1, 2)).sum().backward()
     assert torch.equal(storage["0"].grad, torch.ones(6))
+
+
+# ------------------------------- dividing in backward, with two simulated equal ranks
+
+
+@pytest.fixture
+def equal_ranks(world1, monkeypatch) -> list[str]:
+    """Pretend a world of 2 whose other rank computes the same gradients; record each reduction's op.
+
+    Averaging then leaves every gradient at its local value, so a synced
+    model must end with the plain model's gradients whichever way it divides.
+    """
+    ops: list[str] = []
+    real_all_reduce, real_reduce = dist.all_reduce, _distributed._all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        tensor.mul_(2)  # the other rank's (equal) contribution to the sum
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def reduce(grad, group, world, op):
+        ops.append(op)
+        return real_reduce(grad, group, world, op)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(_distributed, "_all_reduce", reduce)
+    return ops
+
+
+def _wide_pair(buckets: bool = True) -> tuple[nn.Module, nn.Module, Any]:
+    plain = mlp(depth=2, width=128)  # 64 KiB weights: divided while the flat gradient is built
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model, bucket_cap_mb=0.07 if buckets else None)
+    storage.enable_grad_sync()
+    return plain, model, storage
+
+
+def _flat_grads_of(storage, plain: nn.Module) -> list[torch.Tensor]:
+    """The plain model's gradients laid out like the storage's flat gradients."""
+    views = [torch.zeros_like(flat) for flat in storage.flat_params]
+    named = storage.views_of(views)
+    for name, param in plain.named_parameters():
+        named[name].copy_(param.grad)
+    return views
+
+
+def test_grad_sync_divides_while_building_large_flat_gradients(equal_ranks):
+    """Large segments: backward divides, the collective only sums, and the gradient memory is reused."""
+    plain, model, storage = _wide_pair()
+    x = torch.randn(4, 128)
+    pointers = []
+    for _ in range(3):
+        model.zero_grad()
+        plain.zero_grad()
+        equal_ranks.clear()
+        model(x).pow(2).mean().backward()
+        plain(x).pow(2).mean().backward()
+        assert equal_ranks == ["sum"] * len(storage.group_names)
+        for flat, expected in zip(storage.flat_params, _flat_grads_of(storage, plain)):
+            torch.testing.assert_close(flat.grad, expected)
+        pointers.append([flat.grad.data_ptr() for flat in storage.flat_params])
+    assert pointers[1] == pointers[2]  # accumulated without a copy, into kept memory
+
+
+def test_grad_sync_divides_small_segments_after_backward(equal_ranks):
+    """Many small segments: one concatenation, then the collective divides; same gradients."""
+    plain = mlp(depth=3, width=6)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    x = torch.randn(4, 6)
+    model(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    assert equal_ranks == ["mean"]
+    torch.testing.assert_close(storage["0"].grad, _flat_grads_of(storage, plain)[0])
+
+
+def test_grad_sync_corrects_a_divided_gradient_with_direct_uses_of_the_flat_parameter(equal_ranks):
+    """A flat parameter also used directly adds an undivided part; the average is still right."""
+    plain, model, storage = _wide_pair(buckets=False)
+    x = torch.randn(4, 128)
+    (model(x).pow(2).mean() + storage["0"].pow(2).sum()).backward()
+    (plain(x).pow(2).mean() + sum(p.pow(2).sum() for p in plain.parameters())).backward()
+    assert equal_ranks == ["sum"]
+    torch.testing.assert_close(storage["0"].grad, _flat_grads_of(storage, plain)[0])
+
+
+def test_grad_sync_averages_gradients_of_views_built_twice_in_one_backward(equal_ranks):
+    """Views rebuilt between two forwards (new flat memory) give two divided parts of one gradient."""
+    plain, model, storage = _wide_pair(buckets=False)
+    x1, x2 = torch.randn(2, 4, 128)
+    first = model(x1).pow(2).mean()
+    storage["0"].data = storage["0"].data.clone()  # same values, new memory: the views are rebuilt
+    (first + model(x2).pow(2).mean()).backward()
+    (plain(x1).pow(2).mean() + plain(x2).pow(2).mean()).backward()
+    assert equal_ranks == ["sum"]
+    torch.testing.assert_close(storage["0"].grad, _flat_grads_of(storage, plain)[0])
+
+
+def test_grad_sync_after_no_sync_accumulation_divides_the_sum(equal_ranks):
+    """A gradient accumulated under no_sync is divided as a whole by the next synced backward."""
+    plain, model, storage = _wide_pair(buckets=False)
+    xs = torch.randn(3, 4, 128)
+    with storage.no_sync():
+        for x in xs[:-1]:
+            model(x).pow(2).mean().backward()
+    model(xs[-1]).pow(2).mean().backward()
+    for x in xs:
+        plain(x).pow(2).mean().backward()
+    assert equal_ranks == ["mean"]
+    torch.testing.assert_close(storage["0"].grad, _flat_grads_of(storage, plain)[0])
+
+
+def test_autograd_grad_under_grad_sync_returns_the_local_gradient(equal_ranks):
+    """torch.autograd.grad accumulates nothing: it gets the local, undivided gradient and syncs nothing."""
+    plain, model, storage = _wide_pair(buckets=False)
+    x = torch.randn(4, 128)
+    (grad,) = torch.autograd.grad(model(x).pow(2).mean(), [storage["0"]])
+    plain(x).pow(2).mean().backward()
+    torch.testing.assert_close(grad, _flat_grads_of(storage, plain)[0])
+    assert storage["0"].grad is None and equal_ranks == []
+
+
+def test_tensor_hook_on_a_flat_parameter_sees_the_local_gradient(equal_ranks):
+    """A user's hook on a flat parameter sees the undivided gradient, as without grad sync."""
+    plain, model, storage = _wide_pair(buckets=False)
+    seen = []
+    storage["0"].register_hook(lambda grad: seen.append(grad.clone()))
+    x = torch.randn(4, 128)
+    model(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    expected = _flat_grads_of(storage, plain)[0]
+    assert equal_ranks == ["mean"]
+    torch.testing.assert_close(seen[0], expected)
+    torch.testing.assert_close(storage["0"].grad, expected)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_under_grad_sync_keeps_a_differentiable_average(equal_ranks):
+    """backward(create_graph=True) builds the flat gradient in the graph and still averages it."""
+    plain, model, storage = _wide_pair(buckets=False)
+    x = torch.randn(4, 128)
+    model(x).pow(2).mean().backward(create_graph=True)
+    plain(x).pow(2).mean().backward()
+    assert equal_ranks == ["mean"] and storage["0"].grad.requires_grad
+    torch.testing.assert_close(storage["0"].grad.detach(), _flat_grads_of(storage, plain)[0])
+    storage["0"].grad = None  # break the parameter <-> gradient cycle that create_graph makes
+
+
+def test_disable_grad_sync_stops_dividing_in_backward(equal_ranks):
+    """After disable_grad_sync the flat gradient is the plain local one, with no collective."""
+    plain, model, storage = _wide_pair(buckets=False)
+    storage.disable_grad_sync()
+    x = torch.randn(4, 128)
+    model(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    assert equal_ranks == []
+    assert torch.equal(storage["0"].grad, _flat_grads_of(storage, plain)[0])
 
 
 # ------------------------------------------------------------------- buckets
