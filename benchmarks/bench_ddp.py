@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="bucket size for DDP and flat, MiB (default 25; 1 with --quick)",
     )
-    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 9; 5 with --quick)")
+    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 15; 5 with --quick)")
     parser.add_argument("--steps", type=int, help="steps per contender per round (default 3; 2 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument(
@@ -95,7 +95,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "depth": args.depth or (6 if quick else 12),
         "batch": args.batch or (16 if quick else 64),
         "bucket_cap_mb": args.bucket_cap_mb or (1.0 if quick else 25.0),
-        "rounds": args.rounds or (5 if quick else 9),
+        "rounds": args.rounds or (5 if quick else 15),
         "steps": args.steps or (2 if quick else 3),
         "warmup": 1 if quick else 2,
         "threads": args.threads,
