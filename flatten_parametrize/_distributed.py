@@ -197,7 +197,9 @@ class _Prescale:
         return outs
 
 
-def _prescale_hook(ref: weakref.ref[DistributedMixin], g: int) -> Callable[[Tensor], Tensor | None]:
+def _prescale_hook(
+    ref: weakref.ref[DistributedMixin], g: int, prescale: _Prescale
+) -> Callable[[Tensor], Tensor | None]:
     """Return the tensor hook of group ``g``'s flat parameter (runs before accumulation).
 
     It marks a gradient divided in backward, so that the collective only sums
@@ -207,8 +209,7 @@ def _prescale_hook(ref: weakref.ref[DistributedMixin], g: int) -> Callable[[Tens
     def hook(grad: Tensor) -> Tensor | None:
         storage = ref()
         state = None if storage is None else storage._grad_sync
-        prescale = None if storage is None else storage._views[g].grad_buffer.prescale
-        if state is None or not isinstance(prescale, _Prescale):
+        if state is None:
             return None
         outs = prescale.take()
         if not outs:
@@ -524,11 +525,12 @@ class DistributedMixin:
             for handle in (state.handles[g], state.pre_handles[g]):
                 if handle is not None:
                     handle.remove()
+            prescale = _Prescale(ref, g)
             state.handles[g] = flat.register_post_accumulate_grad_hook(_grad_ready_hook(ref, g))
-            state.pre_handles[g] = flat.register_hook(_prescale_hook(ref, g))
+            state.pre_handles[g] = flat.register_hook(_prescale_hook(ref, g, prescale))
             state.accumulators[g] = get_gradient_edge(flat).node
             state.hooked[g] = flat
-            self._views[g].grad_buffer.prescale = _Prescale(ref, g)
+            self._views[g].grad_buffer.prescale = prescale
 
     def _grad_ready(self, g: int) -> None:
         """Hook body: group ``g``'s flat gradient is final for this backward."""
