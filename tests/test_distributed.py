@@ -820,6 +820,18 @@ def test_autograd_grad_under_grad_sync_returns_the_local_gradient(equal_ranks):
     assert storage["0"].grad is None and equal_ranks == []
 
 
+def test_using_other_flat_tensors_under_grad_sync_leaves_their_gradient_local(equal_ranks):
+    """Views served from other tensors (using()) are not the synced flat parameter: nothing is divided."""
+    plain, model, storage = _wide_pair(buckets=False)
+    other = storage["0"].detach().clone().requires_grad_(True)
+    x = torch.randn(4, 128)
+    with storage.using([other]):
+        model(x).pow(2).mean().backward()
+    plain(x).pow(2).mean().backward()
+    assert torch.equal(other.grad, _flat_grads_of(storage, plain)[0])
+    assert storage["0"].grad is None and equal_ranks == []
+
+
 def test_tensor_hook_on_a_flat_parameter_sees_the_local_gradient(equal_ranks):
     """A user's hook on a flat parameter sees the undivided gradient, as without grad sync."""
     plain, model, storage = _wide_pair(buckets=False)
