@@ -156,7 +156,7 @@ class _Prescale:
     no ``.grad`` yet and no other tensor hook (``torch.autograd.grad``, gradient
     accumulation and ``no_sync`` keep the plain path). If something else adds
     to the same gradient in that backward (the flat parameter used directly,
-    say), :func:`_prescale_hook` corrects the sum before it is accumulated.
+    say), :meth:`before_accumulation` corrects the sum before it is accumulated.
     """
 
     __slots__ = ("_g", "_outs", "_ref", "_task")
@@ -190,38 +190,24 @@ class _Prescale:
     def produced(self, grad: Tensor) -> None:
         self._outs.append(grad)
 
-    def take(self) -> list[Tensor]:
-        """Return (and forget) the gradients this backward divided while building them."""
-        outs = self._outs if self._task == _graph_task_id() else []
-        self._task, self._outs = None, []
-        return outs
+    def before_accumulation(self, grad: Tensor) -> Tensor | None:
+        """Tensor hook of the flat parameter: mark a gradient divided in backward, correct a mixed one.
 
-
-def _prescale_hook(
-    ref: weakref.ref[DistributedMixin], g: int, prescale: _Prescale
-) -> Callable[[Tensor], Tensor | None]:
-    """Return the tensor hook of group ``g``'s flat parameter (runs before accumulation).
-
-    It marks a gradient divided in backward, so that the collective only sums
-    it, and corrects a gradient that also got undivided contributions.
-    """
-
-    def hook(grad: Tensor) -> Tensor | None:
-        storage = ref()
+        A gradient divided as it was built only needs a sum from the
+        collective. If undivided contributions were added to it in the same
+        backward, the average needs ``divided + rest / world``.
+        """
+        storage = self._ref()
         state = None if storage is None else storage._grad_sync
-        if state is None:
+        outs = self._outs if self._task == _graph_task_id() else []
+        self._task, self._outs = None, []  # let accumulation take the gradient without a copy
+        if state is None or not outs:
             return None
-        outs = prescale.take()
-        if not outs:
-            return None
-        state.prescaled[g] = _graph_task_id()
+        state.prescaled[self._g] = _graph_task_id()
         if len(outs) == 1 and grad.data_ptr() == outs[0].data_ptr():
             return None  # the divided gradient is the whole gradient
         divided = outs[0] if len(outs) == 1 else torch.stack(outs).sum(0)
-        # grad = divided + rest; the average needs divided + rest / world.
         return grad.sub(divided).div_(state.world).add_(divided)
-
-    return hook
 
 
 class _RehookOnForward:
@@ -527,7 +513,7 @@ class DistributedMixin:
                     handle.remove()
             prescale = _Prescale(ref, g)
             state.handles[g] = flat.register_post_accumulate_grad_hook(_grad_ready_hook(ref, g))
-            state.pre_handles[g] = flat.register_hook(_prescale_hook(ref, g, prescale))
+            state.pre_handles[g] = flat.register_hook(prescale.before_accumulation)
             state.accumulators[g] = get_gradient_edge(flat).node
             state.hooked[g] = flat
             self._views[g].grad_buffer.prescale = prescale
