@@ -7,6 +7,7 @@ names are unchanged.
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
+from ._decay import weight_decay_groups
 from ._flat_parameter import FlatParameter
 from ._optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
@@ -18,6 +19,8 @@ __all__ = [
     "register_flat_storage",
     "get_flat_storage",
     "remove_flat_storage",
+    # groups for frameworks
+    "weight_decay_groups",
     # optimizer state between the plain and the flattened model
     "flat_optim_state_dict",
     "plain_optim_state_dict",

@@ -8,35 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from flatten_parametrize import register_flat_storage
 
+from _hf import gpt2 as _gpt2
+from _hf import tokens as _tokens
 from _models import mlp, twin
-
-
-def _gpt2(seed: int = 0, tie: bool = True) -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 with tied input/output embeddings and no dropout (so training is deterministic)."""
-    config = GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
-
-
-def _tokens(batch: int = 2, length: int = 10) -> torch.Tensor:
-    return torch.randint(3, 64, (batch, length))
 
 
 def test_gpt2_flattens_with_its_tie_kept():
