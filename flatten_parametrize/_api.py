@@ -12,13 +12,19 @@ from ._grouping import GroupsArg, bucket_groups, resolve_groups
 from ._install import install, uninstall
 from ._layout import plan_group
 from ._names import STORAGE_ATTR
+from ._reuse import check_same_layout
 from ._storage import FlatStorage, _Slot
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 
 
 def register_flat_storage(
-    module: nn.Module, groups: GroupsArg = None, *, align: int = 1, bucket_cap_mb: float | None = None
+    module: nn.Module,
+    groups: GroupsArg = None,
+    *,
+    align: int = 1,
+    bucket_cap_mb: float | None = None,
+    exist_ok: bool = False,
 ) -> FlatStorage:
     """Register one contiguous flat storage per group for the parameters of ``module``.
 
@@ -53,6 +59,13 @@ def register_flat_storage(
             bucket of its own. Only for
             ``groups=None``: explicit groups are refused (split them yourself).
             Default: ``None`` (no split).
+        exist_ok: if ``module`` already has a flat storage, return it when
+            these arguments resolve to its layout (same groups, members, order
+            and offsets), instead of raising; for code that runs more than once,
+            such as Lightning's ``configure_model``. ``groups`` may then name
+            parameters as before registration (objects, globs, submodules,
+            :func:`weight_decay_groups` of the flattened module). Default:
+            ``False``.
 
     Returns:
         The :class:`FlatStorage` coordinator.
@@ -65,7 +78,9 @@ def register_flat_storage(
             groups, a group mixing dtypes, devices or requires_grad, a bad
             group name, ``align < 1``, ``bucket_cap_mb <= 0`` (or not finite),
             or ``bucket_cap_mb`` with explicit ``groups``.
-        RuntimeError: if ``module`` (or part of it) already has a flat storage.
+        RuntimeError: if ``module`` (or part of it) already has a flat storage;
+            with ``exist_ok=True``, if ``module``'s flat storage has another
+            layout than these arguments make.
         In every case ``module`` is left exactly as it was.
 
     Example:
@@ -77,6 +92,9 @@ def register_flat_storage(
         [('flat_param_weights', 48), ('flat_param_biases', 10)]
         >>> model[0].weight.shape, len(model)
         (torch.Size([8, 4]), 3)
+        >>> groups = {"weights": ["*.weight"], "biases": ["*.bias"]}
+        >>> register_flat_storage(model, groups, exist_ok=True) is storage
+        True
     """
     if isinstance(align, bool) or not isinstance(align, int):
         raise TypeError(f"align must be an int; got {type(align).__name__} {align!r}")
@@ -99,6 +117,12 @@ def register_flat_storage(
                 f"groups of type {type(groups).__name__}; drop bucket_cap_mb and pass smaller "
                 "groups yourself, or pass groups=None"
             )
+    if not isinstance(exist_ok, bool):
+        raise TypeError(f"exist_ok must be a bool; got {type(exist_ok).__name__} {exist_ok!r}")
+    existing = get_flat_storage(module) if exist_ok else None
+    if existing is not None:
+        check_same_layout(existing, groups, align, bucket_cap_mb)
+        return existing
     specs = resolve_groups(module, groups)
     if bucket_cap_mb is not None:
         specs = bucket_groups(module, specs, bucket_cap_mb)

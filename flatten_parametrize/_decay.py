@@ -10,7 +10,9 @@ from typing import Union
 import torch
 from torch import nn
 
-from ._names import STORAGE_ATTR
+from ._api import get_flat_storage
+from ._grouping import _collect_names
+from ._reuse import plain_parameters
 
 __all__ = ["DECAY_GROUP", "NO_DECAY_GROUP", "NoDecayRule", "weight_decay_groups"]
 
@@ -33,8 +35,10 @@ _Rule = Callable[[list[str], nn.Parameter], bool]
 
 
 def _transformers_rule(module: nn.Module) -> _Rule:
-    in_norm = {id(p) for sub in module.modules() if isinstance(sub, _NORM_TYPES) for p in sub.parameters()}
-    return lambda names, param: id(param) in in_norm or _NO_DECAY_NAMES.search(names[0].lower()) is not None
+    # By path, not sub.parameters(): a flattened module's norm layers hold views, not parameters.
+    modules = module.named_modules(remove_duplicate=False)
+    norms = tuple(path + "." for path, sub in modules if isinstance(sub, _NORM_TYPES))
+    return lambda names, _: names[0].startswith(norms) or _NO_DECAY_NAMES.search(names[0].lower()) is not None
 
 
 def _rule(module: nn.Module, no_decay: NoDecayRule) -> _Rule:
@@ -75,7 +79,10 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
     ... in first-seen order; a side with no parameters is left out.
 
     Args:
-        module: the module to register, not yet flattened.
+        module: the module to register. On a module that already has a flat
+            storage, the groups are made of its plain parameters (the objects
+            registration flattened), for ``register_flat_storage(...,
+            exist_ok=True)``.
         no_decay: which parameters do not decay. ``None`` (default):
             transformers' own rule, i.e. parameters of ``nn.LayerNorm``
             modules and every parameter whose lowercased qualified name
@@ -92,8 +99,6 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
     Raises:
         TypeError: if ``module`` is not an ``nn.Module`` or ``no_decay`` has a
             wrong type.
-        RuntimeError: if ``module`` already has a flat storage (its parameters
-            are the flat ones by then: call this before registering).
 
     Example:
         >>> import torch
@@ -112,24 +117,16 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"weight_decay_groups needs an nn.Module; got {type(module).__name__}")
-    if STORAGE_ATTR in module.__dict__:
-        raise RuntimeError(
-            "weight_decay_groups: the module already has a flat storage, so its parameters are "
-            "the flat ones; call remove_flat_storage first, or call weight_decay_groups before "
-            "register_flat_storage"
-        )
     rule = _rule(module, no_decay)
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params.setdefault(id(param), param)
+    storage = get_flat_storage(module)
+    plain = list(_collect_names(module).values()) if storage is None else plain_parameters(storage)
     sides: dict[str, dict[tuple[torch.device, torch.dtype, bool], list[nn.Parameter]]] = {
         DECAY_GROUP: {},
         NO_DECAY_GROUP: {},
     }
-    for key, param in params.items():
-        side = sides[NO_DECAY_GROUP if rule(names[key], param) else DECAY_GROUP]
+    for spec in plain:
+        param = spec.param
+        side = sides[NO_DECAY_GROUP if rule(spec.names, param) else DECAY_GROUP]
         side.setdefault((param.device, param.dtype, param.requires_grad), []).append(param)
     groups: dict[str, list[nn.Parameter]] = {}
     for base, split in sides.items():

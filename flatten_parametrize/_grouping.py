@@ -162,7 +162,7 @@ def _resolve_items(
     group: str,
     items: list[Any],
     by_id: dict[int, SlotSpec],
-    submodules: set[int],
+    submodules: dict[int, list[str]],
 ) -> list[SlotSpec]:
     found: dict[int, SlotSpec] = {}
     for index, item in enumerate(items):
@@ -182,13 +182,17 @@ def _resolve_items(
                 "parameters, submodules or name patterns"
             )
         elif isinstance(item, nn.Module):
-            if id(item) not in submodules:
+            paths = submodules.get(id(item))
+            if paths is None:
                 raise ValueError(
                     f"{where} is a {_describe(item)} that is not a submodule of the module; "
                     "pass submodules of the module you register"
                 )
-            for param in item.parameters():
-                found.setdefault(id(param), by_id[id(param)])
+            # By name, not item.parameters(): a flattened module's own parameters are the flat ones.
+            prefixes = tuple(path + "." for path in paths)
+            for spec in by_id.values():
+                if "" in paths or any(n.startswith(prefixes) for n in spec.names):
+                    found.setdefault(id(spec.param), spec)
         elif isinstance(item, str):
             matched = [
                 spec for spec in by_id.values() if any(fnmatch.fnmatchcase(n, item) for n in spec.names)
@@ -249,8 +253,13 @@ def _check_group_name(module: nn.Module, name: str) -> None:
         )
 
 
-def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
+def resolve_groups(
+    module: nn.Module, groups: GroupsArg, plain: list[SlotSpec] | None = None
+) -> list[GroupSpec]:
     """Check ``groups`` against ``module`` and return one spec per group, in order.
+
+    ``plain``: for a module that already has a flat storage, its plain
+    parameters (see ``_reuse.plain_parameters``) to resolve ``groups`` against.
 
     Raises:
         TypeError: for a wrong type of ``module``, ``groups`` or an item.
@@ -261,8 +270,11 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
-    _check_not_flattened(module)
-    by_id = _collect_names(module)
+    if plain is None:
+        _check_not_flattened(module)
+        by_id = _collect_names(module)
+    else:
+        by_id = {id(spec.param): spec for spec in plain}
     if groups is None:
         auto: dict[tuple[torch.device, torch.dtype, bool], GroupSpec] = {}
         for spec in by_id.values():
@@ -272,7 +284,9 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
             auto[key].slots.append(spec)
         specs = list(auto.values())
     else:
-        submodules = {id(m) for m in module.modules()}
+        submodules: dict[int, list[str]] = {}
+        for path, sub in module.named_modules(remove_duplicate=False):
+            submodules.setdefault(id(sub), []).append(path)
         specs = []
         owner: dict[int, str] = {}
         for name, items in _split_groups(groups):
@@ -297,7 +311,8 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
             _check_flattenable(slot, automatic=groups is None)
         if groups is not None:
             _check_uniform(group)
-        _check_group_name(module, group.name)
+        if plain is None:
+            _check_group_name(module, group.name)
     return specs
 
 
@@ -306,7 +321,9 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
 FIRST_BUCKET_MB = 1.0
 
 
-def bucket_groups(module: nn.Module, specs: list[GroupSpec], bucket_cap_mb: float) -> list[GroupSpec]:
+def bucket_groups(
+    module: nn.Module, specs: list[GroupSpec], bucket_cap_mb: float, check_names: bool = True
+) -> list[GroupSpec]:
     """Split each group into buckets of at most ``bucket_cap_mb`` MiB, last-used parameters first.
 
     Backward finishes the gradients of the parameters used last first, so
@@ -325,6 +342,8 @@ def bucket_groups(module: nn.Module, specs: list[GroupSpec], bucket_cap_mb: floa
         module: the module being registered (to check the new group names).
         specs: the groups to split, from :func:`resolve_groups`.
         bucket_cap_mb: the largest bucket, in MiB (positive).
+        check_names: check that the module has no attribute of a bucket's
+            flat parameter name yet (off when comparing with an existing storage).
 
     Returns:
         The buckets, one spec each.
@@ -351,6 +370,6 @@ def bucket_groups(module: nn.Module, specs: list[GroupSpec], bucket_cap_mb: floa
         if current:
             buckets.append(current[::-1])
     out = [GroupSpec(str(i), slots) for i, slots in enumerate(buckets)]
-    for group in out:
+    for group in out if check_names else ():
         _check_group_name(module, group.name)
     return out

@@ -107,12 +107,14 @@ def test_each_side_is_split_by_dtype_and_requires_grad():
     assert decay == [f"flat_param_{side}" for side in sides]
 
 
-def test_a_flattened_module_is_refused():
-    """Called after registering, it raises: the parameters are the flat ones by then."""
-    model = nn.Linear(2, 2)
-    register_flat_storage(model)
-    with pytest.raises(RuntimeError, match=r"already has a flat storage.*before register_flat_storage"):
-        weight_decay_groups(model)
+def test_a_flattened_module_gives_the_groups_it_was_registered_with():
+    """On a flattened module the groups are made of the plain parameters, as before registration."""
+    model = gpt2()
+    before = weight_decay_groups(model)
+    register_flat_storage(model, before)
+    after = weight_decay_groups(model)
+    assert {k: len(v) for k, v in after.items()} == {k: len(v) for k, v in before.items()}
+    assert all(a is b for side in before for a, b in zip(after[side], before[side]))
 
 
 @pytest.mark.parametrize("bad", [3, [b"*.bias"], ["*.bias", 1]])
