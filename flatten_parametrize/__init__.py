@@ -7,6 +7,7 @@ names are unchanged.
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
+from ._attach_optim import OptimizerAttachment
 from ._decay import weight_decay_groups
 from ._flat_parameter import FlatParameter
 from ._optim import flat_optim_state_dict, plain_optim_state_dict
@@ -24,6 +25,7 @@ __all__ = [
     # optimizer state between the plain and the flattened model
     "flat_optim_state_dict",
     "plain_optim_state_dict",
+    "OptimizerAttachment",
     # types
     "FlatStorage",
     "FlatParameter",

@@ -14,6 +14,7 @@ from ._layout import plan_group
 from ._names import STORAGE_ATTR
 from ._reuse import check_same_layout
 from ._storage import FlatStorage, _Slot
+from ._wrappers import registration_target, strip_prefix
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 
@@ -119,13 +120,16 @@ def register_flat_storage(
             )
     if not isinstance(exist_ok, bool):
         raise TypeError(f"exist_ok must be a bool; got {type(exist_ok).__name__} {exist_ok!r}")
-    existing = get_flat_storage(module) if exist_ok else None
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
+    target, prefix = registration_target(module)
+    existing = target.__dict__.get(STORAGE_ATTR) if exist_ok else None
     if existing is not None:
-        check_same_layout(existing, groups, align, bucket_cap_mb)
-        return existing
-    specs = resolve_groups(module, groups)
+        check_same_layout(existing, module, prefix, groups, align, bucket_cap_mb)
+        return existing  # type: ignore[no-any-return]
+    specs = strip_prefix(resolve_groups(module, groups, target=target, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
-        specs = bucket_groups(module, specs, bucket_cap_mb)
+        specs = bucket_groups(target, specs, bucket_cap_mb)
     flats: list[FlatParameter] = []
     layouts = []
     slots: list[_Slot] = []
@@ -154,7 +158,7 @@ def register_flat_storage(
         )
         layouts.append(layout)
         slots += [_Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
-    storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots, align)
+    storage = FlatStorage(target, [s.name for s in specs], flats, layouts, slots, align)
     install(storage)
     return storage
 
@@ -173,7 +177,10 @@ def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
-    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+    storage = module.__dict__.get(STORAGE_ATTR)
+    if storage is None:
+        storage = registration_target(module)[0].__dict__.get(STORAGE_ATTR)
+    return storage  # type: ignore[no-any-return]
 
 
 def remove_flat_storage(module: nn.Module) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from ._api import get_flat_storage
 from ._grouping import _collect_names
 from ._reuse import plain_parameters
+from ._wrappers import registration_target
 
 __all__ = ["DECAY_GROUP", "NO_DECAY_GROUP", "NoDecayRule", "weight_decay_groups"]
 
@@ -119,7 +120,10 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
         raise TypeError(f"weight_decay_groups needs an nn.Module; got {type(module).__name__}")
     rule = _rule(module, no_decay)
     storage = get_flat_storage(module)
-    plain = list(_collect_names(module).values()) if storage is None else plain_parameters(storage)
+    if storage is None:
+        plain = list(_collect_names(module).values())
+    else:
+        plain = plain_parameters(storage, registration_target(module)[1])
     sides: dict[str, dict[tuple[torch.device, torch.dtype, bool], list[nn.Parameter]]] = {
         DECAY_GROUP: {},
         NO_DECAY_GROUP: {},

@@ -163,6 +163,7 @@ def _resolve_items(
     items: list[Any],
     by_id: dict[int, SlotSpec],
     submodules: dict[int, list[str]],
+    prefix: str,
 ) -> list[SlotSpec]:
     found: dict[int, SlotSpec] = {}
     for index, item in enumerate(items):
@@ -195,7 +196,10 @@ def _resolve_items(
                     found.setdefault(id(spec.param), spec)
         elif isinstance(item, str):
             matched = [
-                spec for spec in by_id.values() if any(fnmatch.fnmatchcase(n, item) for n in spec.names)
+                spec
+                for spec in by_id.values()
+                if any(fnmatch.fnmatchcase(n, item) for n in spec.names)
+                or (prefix and any(fnmatch.fnmatchcase(n[len(prefix) :], item) for n in spec.names))
             ]
             if not matched:
                 raise ValueError(
@@ -254,12 +258,19 @@ def _check_group_name(module: nn.Module, name: str) -> None:
 
 
 def resolve_groups(
-    module: nn.Module, groups: GroupsArg, plain: list[SlotSpec] | None = None
+    module: nn.Module,
+    groups: GroupsArg,
+    plain: list[SlotSpec] | None = None,
+    target: nn.Module | None = None,
+    prefix: str = "",
 ) -> list[GroupSpec]:
     """Check ``groups`` against ``module`` and return one spec per group, in order.
 
     ``plain``: for a module that already has a flat storage, its plain
     parameters (see ``_reuse.plain_parameters``) to resolve ``groups`` against.
+    ``target``: the module that will own the flat parameters (default: ``module``;
+    a wrapped model, see ``_wrappers``), whose attribute names must stay free;
+    ``prefix``: its path in ``module``: globs also match names without it.
 
     Raises:
         TypeError: for a wrong type of ``module``, ``groups`` or an item.
@@ -292,7 +303,7 @@ def resolve_groups(
         for name, items in _split_groups(groups):
             if any(g.name == name for g in specs):
                 raise ValueError(f"duplicate group name {name!r}; give every group its own name")
-            group = GroupSpec(name, _resolve_items(module, name, items, by_id, submodules))
+            group = GroupSpec(name, _resolve_items(module, name, items, by_id, submodules, prefix))
             if not group.slots:
                 raise ValueError(
                     f"group '{name}' is empty: its items name no parameter; remove the "
@@ -312,7 +323,7 @@ def resolve_groups(
         if groups is not None:
             _check_uniform(group)
         if plain is None:
-            _check_group_name(module, group.name)
+            _check_group_name(module if target is None else target, group.name)
     return specs
 
 

@@ -5,19 +5,23 @@ Reads the storage and the module but changes nothing.
 
 from __future__ import annotations
 
+from torch import nn
+
 from ._flat_parameter import FlatParameter
 from ._grouping import GroupsArg, SlotSpec, bucket_groups, resolve_groups
 from ._layout import plan_group
 from ._storage import FlatStorage
+from ._wrappers import strip_prefix
 
 __all__ = ["check_same_layout", "plain_parameters"]
 
 
-def plain_parameters(storage: FlatStorage) -> list[SlotSpec]:
+def plain_parameters(storage: FlatStorage, prefix: str = "") -> list[SlotSpec]:
     """Return the plain model's parameters of a flattened module, each with every name it has.
 
     They come in module order, as ``named_parameters()`` of the plain module
     yields them (read from ``state_dict()``, which keeps the plain order).
+    ``prefix`` (the path of ``storage.module`` in a wrapper) starts every name.
     """
     specs = [SlotSpec(slot.param, list(slot.all_names)) for slot in storage._slots]
     seen = {id(spec.param): spec for spec in specs}
@@ -31,22 +35,31 @@ def plain_parameters(storage: FlatStorage) -> list[SlotSpec]:
         elif name not in spec.names:
             spec.names.append(name)
     order = {key: index for index, key in enumerate(storage.module.state_dict(keep_vars=True))}
-    return sorted(specs, key=lambda spec: order.get(spec.name, len(order)))
+    specs.sort(key=lambda spec: order.get(spec.name, len(order)))
+    return [SlotSpec(spec.param, [prefix + name for name in spec.names]) for spec in specs]
 
 
 def check_same_layout(
-    storage: FlatStorage, groups: GroupsArg, align: int, bucket_cap_mb: float | None
+    storage: FlatStorage,
+    module: nn.Module,
+    prefix: str,
+    groups: GroupsArg,
+    align: int,
+    bucket_cap_mb: float | None,
 ) -> None:
     """Raise unless ``groups`` (with ``align`` and ``bucket_cap_mb``) resolve to the layout of ``storage``.
+
+    ``module`` is the module passed to ``register_flat_storage``: ``storage.module``
+    itself or a wrapper of it whose path to it is ``prefix``.
 
     Raises:
         TypeError, ValueError: as ``register_flat_storage`` does for bad ``groups``.
         RuntimeError: naming the first difference between the two layouts.
     """
-    module = storage.module
-    specs = resolve_groups(module, groups, plain=plain_parameters(storage))
+    plain = plain_parameters(storage, prefix)
+    specs = strip_prefix(resolve_groups(module, groups, plain=plain, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
-        specs = bucket_groups(module, specs, bucket_cap_mb, check_names=False)
+        specs = bucket_groups(storage.module, specs, bucket_cap_mb, check_names=False)
     wanted = [spec.name for spec in specs]
     fix = (
         "pass the groups (and align, bucket_cap_mb) of the first registration, or call "

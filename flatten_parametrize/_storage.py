@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor, nn
 
+from ._attach_optim import OptimizerAttachment, attach_optimizer
 from ._distributed import DistributedMixin
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._functional import FunctionalMixin
@@ -767,6 +768,50 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         from ._inspect import summary_table
 
         return summary_table(self)
+
+    # -------------------------------------------------------------- frameworks
+    def attach_optimizer(self, optimizer: Any) -> OptimizerAttachment:
+        """Make ``optimizer`` save and load the plain model's per-parameter format.
+
+        Afterwards ``optimizer.state_dict()`` is what the same optimizer of the
+        plain model returns (one entry per original parameter, names, order,
+        ``step`` and param groups; converted with
+        :func:`plain_optim_state_dict`), and ``optimizer.load_state_dict()``
+        accepts that format as well as its own flat one (converted with
+        :func:`flat_optim_state_dict`). So training checkpoints (Trainer,
+        Lightning, Fabric, accelerate) resume across the plain and the
+        flattened model in both directions. A plain state dict must come from an
+        optimizer built the same way (the same param groups, each in
+        ``module.parameters()`` order, as frameworks build them). Attaching the
+        same optimizer again returns the existing attachment.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` over the flattened module's
+                parameters, or a framework's wrapper of one (accelerate's
+                ``AcceleratedOptimizer``, Lightning's and Fabric's).
+
+        Returns:
+            The attachment; its ``remove()`` detaches the optimizer again.
+
+        Raises:
+            TypeError: if ``optimizer`` is not an optimizer.
+            ValueError: if it holds parameters that are not the module's.
+            RuntimeError: if it is already attached to another storage.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Linear(2, 2)
+            >>> storage = register_flat_storage(model)
+            >>> optimizer = torch.optim.Adam(model.parameters())
+            >>> _ = storage.attach_optimizer(optimizer)
+            >>> model(torch.ones(1, 2)).sum().backward()
+            >>> optimizer.step()
+            >>> [tuple(s["exp_avg"].shape) for s in optimizer.state_dict()["state"].values()]
+            [(2, 2), (2,)]
+        """
+        return attach_optimizer(self, optimizer)
 
     def _repr_html_(self) -> str:
         from ._inspect import storage_html

@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from flatten_parametrize import FlatStorage, register_flat_storage, weight_decay_groups
+from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, weight_decay_groups
 
 from _hf import gpt2, lm_dataset
 
@@ -39,7 +39,11 @@ class LitLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.0)
+        storage = get_flat_storage(self.model)
+        if storage is not None:  # checkpoints in the plain model's format, and either format resumes
+            storage.attach_optimizer(optimizer)
+        return optimizer
 
 
 def loader() -> DataLoader[Any]:
