@@ -40,20 +40,22 @@ def _model(depth: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
 
 
-def _storage_ptrs(module: nn.Module) -> set[int]:
+def _storage_ranges(module: nn.Module) -> list[tuple[int, int]]:
     tensors = [*module.parameters(), *module.buffers()]
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    storages = [t.untyped_storage() for t in tensors]
+    return [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages]
 
 
 def copied_bytes(state: Mapping[str, object], module: nn.Module) -> int:
-    """Return the bytes of ``state``'s tensor storages that are not storages of ``module``."""
-    own = _storage_ptrs(module)
+    """Return the bytes of ``state``'s tensor storages that lie outside ``module``'s storages."""
+    own = _storage_ranges(module)
     seen: dict[int, int] = {}
     for value in state.values():
         if isinstance(value, Tensor):
             storage = value.untyped_storage()
-            if storage.data_ptr() not in own:
-                seen[storage.data_ptr()] = storage.nbytes()
+            start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+            if not any(lo <= start and end <= hi for lo, hi in own):
+                seen[start] = storage.nbytes()
     return sum(seen.values())
 
 

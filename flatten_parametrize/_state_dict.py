@@ -1,8 +1,8 @@
 """State dicts: the unflattened form with the plain module's keys, the flat form, and staged loading.
 
 Saving: each changed module emits its flattened attributes at their original
-position (zero copy, views of the flat buffer); the registered module drops
-its ``flat_param_*`` entries.
+position (zero copy: the flat buffer's memory, each through a storage of its own,
+see ``_alias``); the registered module drops its ``flat_param_*`` entries.
 
 Loading: the registered module first turns a flat-form dict into the
 unflattened form (after checking its layout record); then each module runs
@@ -15,12 +15,14 @@ commit every value after torch has checked everything (atomic loading).
 from __future__ import annotations
 
 import json
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor, nn
 
+from ._alias import own_storage_alias
 from ._names import STORAGE_ATTR, flat_layout_name
 
 if TYPE_CHECKING:
@@ -75,8 +77,17 @@ def save_module(
     keep_vars: bool,
 ) -> None:
     """Save ``module``'s own entries in the plain module's keys and order."""
-    if state is None or not state.storage.is_flattened:
+    if state is None:
         base_save(destination, prefix, keep_vars)
+        return
+    if not state.storage.is_flattened:
+        own_plain: OrderedDict[str, Any] = OrderedDict()
+        base_save(own_plain, prefix, keep_vars)
+        for key, value in own_plain.items():
+            slot = state.slots.get(key[len(prefix) :])
+            if slot is not None and not keep_vars and isinstance(value, Tensor):
+                value = _alias(destination, slot, value)
+            destination[key] = value
         return
     own: OrderedDict[str, Any] = OrderedDict()
     base_save(own, prefix, keep_vars)
@@ -89,10 +100,49 @@ def save_module(
         slot = state.slots.get(name)
         if slot is not None:
             view = slot[0].view(slot[1])
-            destination[key] = view if keep_vars else view.detach()
+            destination[key] = view if keep_vars else _alias(destination, slot, view.detach())
         elif key in own:
             destination[key] = own.pop(key)
     destination.update(own)
+
+
+#: Per state dict being built (by id, with a weak reference: dicts are unhashable), the alias of
+#: each slot, so that the names of a tied slot share one tensor.
+_ALIASES: dict[int, tuple[weakref.ref[Any], dict[tuple[int, int], Tensor]]] = {}
+
+
+def _aliases_of(destination: Any) -> dict[tuple[int, int], Tensor]:
+    key = id(destination)
+    entry = _ALIASES.get(key)
+    if entry is not None and entry[0]() is destination:
+        return entry[1]
+    def forget(_: Any) -> None:
+        _ALIASES.pop(key, None)
+
+    try:
+        ref = weakref.ref(destination, forget)
+    except TypeError:  # a destination that takes no weak reference: tied names get one alias each
+        return {}
+    _ALIASES[key] = (ref, {})
+    return _ALIASES[key][1]
+
+
+def _alias(destination: Any, slot: tuple[Any, int], value: Tensor) -> Tensor:
+    """Return ``value`` (a slot's memory) through a storage of its own, one per slot and state dict.
+
+    Savers that keep one tensor per storage then keep every slot (see
+    ``_alias.py``); the names of a tied slot get the same tensor, as the plain
+    module's state dict gives them the same memory.
+    """
+    storage = value.untyped_storage()
+    if value.data_ptr() == storage.data_ptr() and value.nbytes == storage.nbytes():
+        return value  # already covers its storage (a reassigned parameter in unflattened mode)
+    cache = _aliases_of(destination)
+    key = (id(slot[0]), slot[1])
+    alias = cache.get(key)
+    if alias is None or alias.data_ptr() != value.data_ptr():
+        alias = cache[key] = own_storage_alias(value)
+    return alias
 
 
 def load_module(

@@ -30,9 +30,10 @@ def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _in_file(tensor: torch.Tensor, storage: FlatStorage) -> bool:
-    """Return whether ``tensor``'s memory is one of the storage's file mappings."""
-    ptr = tensor.untyped_storage().data_ptr()
-    return any(ptr == b.mapped.untyped_storage().data_ptr() for b in (storage._offload or {}).values())
+    """Return whether ``tensor``'s memory lies in one of the storage's file mappings."""
+    ptr = tensor.data_ptr()
+    mappings = [b.mapped.untyped_storage() for b in (storage._offload or {}).values()]
+    return any(m.data_ptr() <= ptr < m.data_ptr() + m.nbytes() for m in mappings)
 
 
 def _listing(directory: Path) -> list[str]:
