@@ -620,7 +620,7 @@ def _sync_hooks(model: nn.Module, storage) -> int:
     on_flat = sum(
         len(f._post_accumulate_grad_hooks or {}) + len(f._backward_hooks or {}) for f in storage.flat_params
     )
-    prescale = sum(group.grad_buffer.prescale is not None for group in storage._views)
+    prescale = sum(len(group.views.grad_buffer.hooks) for group in storage.groups())
     forward = sum(isinstance(h, _RehookOnForward) for h in model._forward_pre_hooks.values())
     return on_flat + prescale + forward
 
