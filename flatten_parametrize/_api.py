@@ -10,7 +10,7 @@ from torch import nn
 from ._flat_parameter import FlatParameter
 from ._grouping import GroupsArg, bucket_groups, resolve_groups
 from ._layout import plan_group
-from ._names import STORAGE_ATTR
+from ._names import registered_storage
 from ._records import Slot
 from ._storage import FlatStorage, install_storage, remove_storage
 from ._surgery import zero_padding
@@ -145,7 +145,7 @@ def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
-    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+    return registered_storage(module)
 
 
 def remove_flat_storage(module: nn.Module) -> None:

@@ -44,8 +44,8 @@ __all__ = ["GradSync"]
 #: The reductions ``all_reduce_grads`` accepts.
 REDUCE_OPS = ("mean", "sum")
 
-_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id  # type: ignore[attr-defined]
-_will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node  # type: ignore[attr-defined]
+_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+_will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
 
 
 def _current_node() -> Any:
@@ -55,7 +55,7 @@ def _current_node() -> Any:
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:
@@ -266,7 +266,7 @@ class GradSync:
 
     @property
     def _storage(self) -> Coordinator:
-        return storage_of(self._storage_ref)  # type: ignore[no-any-return]
+        return storage_of(self._storage_ref)
 
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:

@@ -49,7 +49,7 @@ class Feature(Protocol):
         """Return this feature's state for ``storage``, a copy of its coordinator."""
 
 
-def storage_of(ref: weakref.ref[Any]) -> Any:
+def storage_of(ref: weakref.ref[Coordinator]) -> Coordinator:
     """Return the coordinator behind a feature's weak reference (features die with it)."""
     storage = ref()
     if storage is None:

@@ -34,7 +34,7 @@ class Functional:
 
     @property
     def _storage(self) -> Coordinator:
-        return storage_of(self._storage_ref)  # type: ignore[no-any-return]
+        return storage_of(self._storage_ref)
 
     def on_rebacked(self) -> None:
         """Nothing to do: the flat parameters are read at each call."""

@@ -107,7 +107,7 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
     """
 
     @staticmethod
-    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:
         # Views of a detached alias, not of the input itself: autograd then wraps each
         # output cheaply (about 4 us instead of 20), and in-place changes to an output are
         # still refused, as for the outputs of any function that returns several views.
@@ -128,7 +128,7 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
         layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
         sizes = layout.split_sizes

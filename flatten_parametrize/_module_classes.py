@@ -17,7 +17,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._names import MODULE_STATE_ATTR, registered_storage
 from ._records import ModuleState
 from ._state_dict import load_module, save_module
 from ._view_cache import make_property
@@ -44,7 +44,7 @@ def _super(module: nn.Module) -> Any:
 
 
 def _state(module: nn.Module) -> ModuleState | None:
-    return module.__dict__.get(MODULE_STATE_ATTR)  # type: ignore[no-any-return]
+    return module.__dict__.get(MODULE_STATE_ATTR)
 
 
 def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -76,7 +76,7 @@ def _load_from_state_dict(
 
 
 def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-    storage = self.__dict__.get(STORAGE_ATTR)
+    storage = registered_storage(self)
     base = _super(self).load_state_dict
     if storage is None:
         return base(state_dict, strict=strict, assign=assign)
@@ -84,17 +84,17 @@ def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assig
 
 
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
-    storage = self.__dict__.get(STORAGE_ATTR)
+    storage = registered_storage(self)
     base = _super(self)._apply
     if storage is None:
-        return base(fn, recurse)  # type: ignore[no-any-return]
+        return base(fn, recurse)
     return storage.apply_via(base, fn, recurse)
 
 
 def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
-        return found  # type: ignore[no-any-return]
+        return found
     base_copy = getattr(base_of(self), "__deepcopy__", None)
     if base_copy is not None:
         replica = base_copy(self, memo)
@@ -107,7 +107,7 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
                 setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
     # The copy gets a class of its own, so that changing one never changes the other.
     replica.__class__ = clone_class(type(self))
-    return replica  # type: ignore[no-any-return]
+    return replica
 
 
 def _getstate(self: nn.Module) -> Any:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 #: Attribute (in ``module.__dict__``) of the module that owns a storage.
 STORAGE_ATTR = "_flat_storage"
@@ -22,6 +25,11 @@ def flat_param_name(group: str) -> str:
 def flat_layout_name(group: str) -> str:
     """Return the state-dict key of ``group``'s layout record."""
     return FLAT_LAYOUT_PREFIX + group
+
+
+def registered_storage(module: nn.Module) -> Any:
+    """Return the flat storage registered on ``module`` (the coordinator), or ``None``."""
+    return module.__dict__.get(STORAGE_ATTR)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

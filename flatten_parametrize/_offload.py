@@ -131,7 +131,7 @@ class DiskOffload:
 
     @property
     def _storage(self) -> Coordinator:
-        return storage_of(self._storage_ref)  # type: ignore[no-any-return]
+        return storage_of(self._storage_ref)
 
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:

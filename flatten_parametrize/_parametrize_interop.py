@@ -38,7 +38,7 @@ class FlatView(nn.Module):
 
     def forward(self) -> Tensor:
         group, index = self.__dict__["_slot"]
-        return group.view(index)  # type: ignore[no-any-return]
+        return group.view(index)
 
     def right_inverse(self, value: Tensor) -> tuple[()]:
         if self.__dict__.pop("_registering", False):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ._names import STORAGE_ATTR, flat_layout_name
+from ._names import flat_layout_name, registered_storage
 from ._records import Coordinator, Group, ModuleState, StagedValue
 
 __all__ = [
@@ -65,11 +65,7 @@ class StagingSlot(nn.Parameter):
 def _staging(view: Tensor, requires_grad: bool) -> StagingSlot:
     slot = torch.Tensor._make_subclass(StagingSlot, view.detach(), requires_grad)
     slot._source = None
-    return slot  # type: ignore[no-any-return]
-
-
-def _root_storage(module: nn.Module) -> Coordinator | None:
-    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+    return slot
 
 
 def save_module(
@@ -86,7 +82,7 @@ def save_module(
         return
     own: OrderedDict[str, Any] = OrderedDict()
     base_save(own, prefix, keep_vars)
-    root = _root_storage(module)
+    root: Coordinator | None = registered_storage(module)
     if root is not None:
         for group in root.groups():
             own.pop(prefix + group.flat_name, None)
@@ -115,7 +111,7 @@ def load_module(
 ) -> None:
     """Load ``module``'s own entries, staging the flattened ones."""
     args = (state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-    root = _root_storage(module)
+    root: Coordinator | None = registered_storage(module)
     if root is not None:
         unflatten_flat_form(root, state_dict, prefix)
     if state is None or not state.storage.is_flattened:

@@ -29,7 +29,7 @@ from ._flat_parameter import FlatParameter
 from ._functional import Functional, StackedTensors
 from ._inspect import storage_html, storage_repr, summary_table
 from ._layout import GroupLayout
-from ._names import STORAGE_ATTR, flat_layout_name, flat_param_name
+from ._names import flat_layout_name, flat_param_name, registered_storage
 from ._offload import DiskOffload
 from ._per_group import per_group
 from ._plot import plot_layout
@@ -91,9 +91,6 @@ class FlatStorage:
         self._using_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self._pending: list[StagedValue] | None = None
-        self._init_features()
-
-    def _init_features(self) -> None:
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
         self._functional = Functional(self)
@@ -112,7 +109,7 @@ class FlatStorage:
             RuntimeError: if the module was garbage collected or the storage removed.
         """
         module = self._root_ref()
-        if module is None or module.__dict__.get(STORAGE_ATTR) is not self:
+        if module is None or registered_storage(module) is not self:
             raise RuntimeError(
                 "this flat storage is detached: its module was garbage collected or "
                 "remove_flat_storage was called; use get_flat_storage(module) for the current one"

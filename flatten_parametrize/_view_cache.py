@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ._grad import GradBuffer, _GroupSplit
 from ._layout import GroupLayout
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._names import MODULE_STATE_ATTR, registered_storage
 
 __all__ = [
     "CacheEntry",
@@ -148,7 +148,7 @@ class GroupViews:
 
     def current(self) -> Tensor:
         """Return the tensor currently registered as the flat parameter."""
-        return self.params[self.flat_name]  # type: ignore[no-any-return]
+        return self.params[self.flat_name]
 
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
@@ -249,14 +249,14 @@ def trace_split(module: nn.Module, args: Any) -> None:
     mode it does nothing (the per-thread cache plays that role).
     """
     if _is_compiling():
-        for group in module.__dict__[STORAGE_ATTR].groups():
+        for group in registered_storage(module).groups():
             group.views.trace(True)
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
     if _is_compiling():
-        for group in module.__dict__[STORAGE_ATTR].groups():
+        for group in registered_storage(module).groups():
             group.views.trace(False)
 
 
@@ -282,7 +282,7 @@ def make_property(name: str) -> property:
         if param is not _MISSING:
             return param  # type: ignore[return-value]
         group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
-        return group.view(index)  # type: ignore[no-any-return]
+        return group.view(index)
 
     def fset(module: nn.Module, value: Any) -> None:
         group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
