@@ -69,7 +69,7 @@ class Slot:
         return (self.name, *self.aliases)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Group:
     """One group of a flat storage, as the coordinator holds it now.
 

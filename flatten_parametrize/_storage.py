@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from . import _surgery as surgery
 from ._distributed import GradSync
+from ._features import Feature, in_flat_mode
 from ._flat_parameter import FlatParameter
 from ._functional import Functional, StackedTensors
 from ._inspect import storage_html, storage_repr, summary_table
@@ -40,8 +41,6 @@ from ._view_cache import GroupViews, same_memory
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-    from ._features import Feature
 
 __all__ = ["FlatStorage", "ParamInfo", "FlatTensors", "install_storage", "remove_storage"]
 
@@ -466,8 +465,6 @@ class FlatStorage:
         """
         if self._using_depth:
             raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
-        was_flat = self._flattened
-        self.flatten()
 
         def convert(tensor: Tensor) -> Any:
             # A no-op conversion returns the FlatParameter itself, which torch cannot
@@ -475,12 +472,11 @@ class FlatStorage:
             out = fn(tensor)
             return out.detach() if type(out) is FlatParameter else out
 
-        try:
-            return base(convert, recurse)
-        finally:
-            self._adopt_flat_params()
-            if not was_flat:
-                self.unflatten()
+        with in_flat_mode(self):
+            try:
+                return base(convert, recurse)
+            finally:
+                self._adopt_flat_params()
 
     def stage_loaded(self, loaded: list[StagedValue]) -> None:
         """Take values read by a module's ``_load_from_state_dict``: staged during a load, else written.
@@ -573,6 +569,8 @@ class FlatStorage:
         root = self._root_ref()
         new_root: nn.Module | None = memo.get(id(root), root)
         new._root_ref = weakref.ref(new_root) if new_root is not None else self._root_ref
+        views = [copy.deepcopy(group.views, memo) for group in self._groups]
+        flats = [copy.deepcopy(group.flat, memo) for group in self._groups]
         new._slots = tuple(
             Slot(
                 s.name,
@@ -586,8 +584,8 @@ class FlatStorage:
         new._groups = tuple(
             dataclasses.replace(
                 group,
-                views=copy.deepcopy(group.views, memo),
-                flat=copy.deepcopy(group.flat, memo),
+                views=views[group.index],
+                flat=flats[group.index],
                 members=tuple(slot for slot in new._slots if slot.group_index == group.index),
             )
             for group in self._groups
