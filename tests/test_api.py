@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, values
+from _helpers import TiedLM, WithOwnParam, mlp, values
 
 
 def test_register_keeps_the_module_tree_print_and_container_behaviour():

@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import flatten_parametrize._offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, mlp, twin, values
 
 
 def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
@@ -339,6 +339,7 @@ def test_other_threads_view_caches_do_not_keep_the_ram_buffer_alive(tmp_path):
         thread.join()
 
 
+@pytest.mark.slow
 def test_offloaded_model_releases_resident_memory(tmp_path):
     """Offloading a ~256 MB model drops resident memory by about its size; outputs are unchanged."""
     if not Path("/proc/self/status").exists():
