@@ -37,6 +37,6 @@ def own_storage_alias(view: Tensor) -> Tensor:
     if view.is_meta:
         return view
     try:
-        return from_dlpack(to_dlpack(view))  # type: ignore[no-any-return]
+        return from_dlpack(to_dlpack(view))
     except BufferError:
         return view

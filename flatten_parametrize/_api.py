@@ -9,11 +9,12 @@ from torch import nn
 
 from ._flat_parameter import FlatParameter
 from ._grouping import GroupsArg, bucket_groups, resolve_groups
-from ._install import install, uninstall
 from ._layout import plan_group
-from ._names import STORAGE_ATTR
+from ._names import registered_storage
+from ._records import Slot
 from ._reuse import check_same_layout
-from ._storage import FlatStorage, _Slot
+from ._storage import FlatStorage, install_storage, remove_storage
+from ._surgery import zero_padding
 from ._wrappers import registration_target, strip_prefix
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
@@ -128,27 +129,22 @@ def register_flat_storage(
     if not isinstance(module, nn.Module):
         raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
     target, prefix = registration_target(module)
-    existing = target.__dict__.get(STORAGE_ATTR) if exist_ok else None
+    existing = registered_storage(target) if exist_ok else None
     if existing is not None:
         check_same_layout(existing, module, prefix, groups, align, bucket_cap_mb)
-        return existing  # type: ignore[no-any-return]
+        return existing
     specs = strip_prefix(resolve_groups(module, groups, target=target, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
         specs = bucket_groups(target, specs, bucket_cap_mb)
     flats: list[FlatParameter] = []
     layouts = []
-    slots: list[_Slot] = []
+    slots: list[Slot] = []
     for g, spec in enumerate(specs):
         layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
         first = spec.slots[0].param
         data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
+        zero_padding(data, layout)
         with torch.no_grad():
-            cursor = 0
-            slot_segments = set(layout.segments)
-            for segment, size in enumerate(layout.split_sizes):  # zero the padding only
-                if segment not in slot_segments:
-                    data.narrow(0, cursor, size).zero_()
-                cursor += size
             for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
                 data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
         flats.append(
@@ -162,9 +158,9 @@ def register_flat_storage(
             )
         )
         layouts.append(layout)
-        slots += [_Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
-    storage = FlatStorage(target, [s.name for s in specs], flats, layouts, slots, align)
-    install(storage)
+        slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
+    storage = FlatStorage(target, [s.name for s in specs], flats, layouts, slots)
+    install_storage(storage)
     return storage
 
 
@@ -182,10 +178,10 @@ def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
-    storage = module.__dict__.get(STORAGE_ATTR)
+    storage = registered_storage(module)
     if storage is None:
-        storage = registration_target(module)[0].__dict__.get(STORAGE_ATTR)
-    return storage  # type: ignore[no-any-return]
+        storage = registered_storage(registration_target(module)[0])
+    return storage
 
 
 def remove_flat_storage(module: nn.Module) -> None:
@@ -222,4 +218,4 @@ def remove_flat_storage(module: nn.Module) -> None:
             f"{type(module).__name__} has no flat storage to remove; pass the module "
             "given to register_flat_storage"
         )
-    uninstall(storage)
+    remove_storage(storage)

@@ -18,7 +18,7 @@ from torch import Tensor
 from ._optim import flat_optim_state_dict, plain_optim_state_dict
 
 if TYPE_CHECKING:
-    from ._storage import FlatStorage
+    from ._records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
 
 __all__ = ["OptimizerAttachment", "attach_optimizer"]
 
@@ -205,7 +205,7 @@ def attach_optimizer(storage: FlatStorage, optimizer: Any) -> OptimizerAttachmen
     existing = getattr(inner, _ATTACHED, None)
     if existing is not None:
         if existing.storage is storage:
-            return existing  # type: ignore[no-any-return]
+            return existing
         raise RuntimeError(
             "attach_optimizer: this optimizer is already attached to another flat storage; call remove() "
             "on the attachment that the first attach_optimizer returned"

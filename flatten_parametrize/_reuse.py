@@ -23,7 +23,7 @@ def plain_parameters(storage: FlatStorage, prefix: str = "") -> list[SlotSpec]:
     yields them (read from ``state_dict()``, which keeps the plain order).
     ``prefix`` (the path of ``storage.module`` in a wrapper) starts every name.
     """
-    specs = [SlotSpec(slot.param, list(slot.all_names)) for slot in storage._slots]
+    specs = [SlotSpec(slot.param, list(slot.all_names)) for slot in storage.slots()]
     seen = {id(spec.param): spec for spec in specs}
     for name, param in storage.module.named_parameters(remove_duplicate=False):
         if isinstance(param, FlatParameter):

@@ -15,10 +15,10 @@ from transformers import Trainer
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, weight_decay_groups
 
+from _helpers import mlp
 from _hf import gpt2, lm_dataset, losses, tokens, training_args
 from _lightning import LitLM, loader
 from _lightning import trainer as lightning_trainer
-from _models import mlp
 
 
 def _param_groups(model: nn.Module) -> list[dict[str, Any]]:

@@ -11,8 +11,8 @@ from transformers import Trainer
 
 from flatten_parametrize import register_flat_storage, weight_decay_groups
 
+from _helpers import twin
 from _hf import gpt2, lm_dataset, losses, training_args
-from _models import twin
 
 
 def _names(model: nn.Module, groups: dict[str, list[nn.Parameter]]) -> dict[str, list[str]]:

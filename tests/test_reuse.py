@@ -8,9 +8,9 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage, weight_decay_groups
 
+from _helpers import mlp
 from _hf import gpt2
 from _lightning import LitLM, loader, trainer
-from _models import mlp
 
 
 def test_same_automatic_groups_return_the_existing_storage():

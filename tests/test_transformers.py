@@ -12,9 +12,9 @@ from transformers import GPT2LMHeadModel
 
 from flatten_parametrize import register_flat_storage
 
+from _helpers import mlp, twin
 from _hf import gpt2 as _gpt2
 from _hf import tokens as _tokens
-from _models import mlp, twin
 
 
 def test_gpt2_flattens_with_its_tie_kept():

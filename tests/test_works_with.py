@@ -13,7 +13,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import mlp
+from _helpers import mlp
 
 
 def _convnet(seed: int = 0) -> nn.Sequential:

@@ -19,8 +19,8 @@ from flatten_parametrize import (
     weight_decay_groups,
 )
 
+from _helpers import mlp
 from _hf import gpt2, tokens
-from _models import mlp
 
 
 def _lora(seed: int = 0) -> PeftModel:
