@@ -65,10 +65,6 @@ class OptimizerAttachment:
         if getattr(self.optimizer, _ATTACHED, None) is self:
             delattr(self.optimizer, _ATTACHED)
 
-    # ------------------------------------------------------------------ names
-    def _flat_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-        return _flat_names(self.storage, optimizer)
-
     def _plain_names(self, flat_names: list[list[str]]) -> list[list[str]]:
         """The plain model's parameter names of each param group, in the order ``state_dict()`` gives."""
         groups, start = [], 0
@@ -80,7 +76,7 @@ class OptimizerAttachment:
 
     # ------------------------------------------------------------------ hooks
     def _to_plain(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        flat_names = self._flat_names(optimizer)
+        flat_names = _flat_names(self.storage, optimizer)
         plain = plain_optim_state_dict(
             self.storage, state_dict, param_names=[n for names in flat_names for n in names]
         )
@@ -100,7 +96,7 @@ class OptimizerAttachment:
             return state_dict  # torch's own checks report it
         if _is_format_of(optimizer, state_dict):
             return state_dict
-        flat_names = self._flat_names(optimizer)
+        flat_names = _flat_names(self.storage, optimizer)
         expected = self._plain_names(flat_names)
         groups = list(state_dict["param_groups"])
         sizes = [len(group["params"]) for group in groups]

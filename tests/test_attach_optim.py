@@ -292,3 +292,22 @@ def test_accelerate_resumes_across_forms_in_both_directions(tmp_path: Path):
         lambda m, o, flat: accelerator.save_state(tmp_path / str(flat), safe_serialization=False),
         lambda m, o, flat: accelerator.load_state(tmp_path / str(flat)),
     )
+
+
+def test_named_optimizers_save_plain_names_with_their_prefix():
+    """An optimizer built from named_parameters() saves plain names (with its own prefix) and loads them."""
+    plain = nn.Sequential(mlp())
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model[0])
+    optimizer = torch.optim.Adam(model.named_parameters(), lr=0.1)
+    ref = torch.optim.Adam(plain.named_parameters(), lr=0.1)
+    storage.attach_optimizer(optimizer)
+    x = torch.randn(2, 5)
+    for m, o in ((model, optimizer), (plain, ref)):
+        m(x).sum().backward()
+        o.step()
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0]["param_names"] == ref.state_dict()["param_groups"][0]["param_names"]
+    _assert_same_state(saved, ref.state_dict())
+    optimizer.load_state_dict(ref.state_dict())
+    _assert_same_state(optimizer.state_dict(), ref.state_dict())

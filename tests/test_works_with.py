@@ -13,7 +13,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import mlp
+from _helpers import assert_same_values, mlp, values
 
 
 def _convnet(seed: int = 0) -> nn.Sequential:
@@ -50,11 +50,8 @@ def _train(model: nn.Module, steps: int, after_step: object = None) -> list[floa
     return losses
 
 
-def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
+def _same(a: nn.Module, b: nn.Module) -> None:
+    assert_same_values(values(a), values(b))
 
 
 def test_batchnorm_convnet_trains_like_the_plain_model():
@@ -63,7 +60,7 @@ def test_batchnorm_convnet_trains_like_the_plain_model():
     model = copy.deepcopy(plain)
     register_flat_storage(model)
     assert _train(model, 3) == _train(plain, 3)
-    _assert_same_state(model, plain)
+    _same(model, plain)
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(model.eval()(x), plain.eval()(x))
 
@@ -78,7 +75,7 @@ def test_torch_averaged_model_ema_matches_the_plain_one():
         ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
         _train(m, 3, after_step=lambda ema=ema, m=m: ema.update_parameters(m))
         averages.append(ema)
-    _assert_same_state(averages[0], averages[1])
+    _same(averages[0], averages[1])
 
 
 def test_ema_pytorch_matches_the_plain_one_and_ignore_names_takes_flat_names():
@@ -91,7 +88,7 @@ def test_ema_pytorch_matches_the_plain_one_and_ignore_names_takes_flat_names():
         ema = ema_pytorch.EMA(m, beta=0.9, update_after_step=0, update_every=1, ignore_names=ignore)
         _train(m, 3, after_step=ema.update)
         emas.append(ema.ema_model)
-    _assert_same_state(emas[0], emas[1])
+    _same(emas[0], emas[1])
     averaged = ema_pytorch.EMA(mlp(), beta=0.9, update_after_step=0, update_every=1)
     _train(averaged.online_model, 3, after_step=averaged.update)
     assert not torch.equal(averaged.ema_model[0].bias, emas[1][0].bias)  # ignore_names did something
@@ -106,7 +103,7 @@ def test_torch_ema_matches_the_plain_one():
         ema = torch_ema.ExponentialMovingAverage(m.parameters(), decay=0.9)
         _train(m, 3, after_step=ema.update)
         ema.copy_to(m.parameters())
-    _assert_same_state(model, plain)
+    _same(model, plain)
 
 
 def test_torch_export_reads_the_flat_parameter():
