@@ -6,9 +6,14 @@ backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
 (``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
 into the flat gradient; without grad they come from one ``split``. The cache is
-rebuilt whenever the flat tensor is replaced, changed in place (``_version``),
-re-backed (``.data`` swap, ``module.to()``), frozen or unfrozen, or read under
-another grad or inference mode. Under ``torch.compile`` the cache is skipped
+rebuilt whenever the flat tensor is replaced or re-backed (``.data`` swap,
+``module.to()``), and in grad mode also when it is changed in place
+(``_version``: autograd refuses outputs of a split reused after an in-place
+change) or frozen or unfrozen. Views made without grad (``no_grad``,
+``inference_mode``) are plain aliases of the buffer that record nothing, so
+they keep serving across in-place updates such as optimizer steps. Each grad
+and inference mode and each thread has views of its own. Under
+``torch.compile`` the cache is skipped
 (compiled code sees plain tensor ops) and the registered module's forward
 splits each group once (:func:`trace_split`).
 """
@@ -38,6 +43,10 @@ __all__ = [
 ]
 
 _is_compiling = torch.compiler.is_compiling
+# A quarter of the cost of ``is_compiling()`` on the hot path. Other tracers (make_fx, a
+# non-strict ``torch.export``) run the eager path with fake tensors, which have no
+# ``data_ptr()``: those are never cached either (see ``GroupViews._uncached``).
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
 _MISSING = object()
@@ -72,12 +81,16 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
 class CacheEntry:
     """The views of one group made for one thread and one :class:`GradMode`.
 
-    Valid while the flat tensor is the same object with the same ``_version``,
-    ``data_ptr()`` and ``requires_grad``.
+    Valid while the flat tensor is the same object with the same
+    ``data_ptr()``; in grad mode also while it has the same ``_version`` and
+    ``requires_grad``.
 
     Attributes:
         flat: the flat tensor the views were made of.
-        version: its ``_version`` then.
+        alias: a plain ``detach()`` of it, which shares its version counter:
+            reading ``_version`` from a ``Parameter`` subclass costs three
+            times as much (torch looks up ``__torch_function__`` first).
+        version: the version then.
         ptr: its ``data_ptr()`` then.
         chunks: the segments of one ``split`` (``None`` in grad mode: the views
             are the outputs of one autograd node).
@@ -85,23 +98,23 @@ class CacheEntry:
         requires_grad: its ``requires_grad`` then.
     """
 
-    __slots__ = ("chunks", "flat", "ptr", "requires_grad", "version", "views")
+    __slots__ = ("alias", "chunks", "flat", "ptr", "requires_grad", "version", "views")
 
     def __init__(
         self,
         flat: Tensor,
-        version: int,
+        alias: Tensor,
         ptr: int,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
-        requires_grad: bool,
     ) -> None:
         self.flat = flat
-        self.version = version
+        self.alias = alias
+        self.version = alias._version
         self.ptr = ptr
         self.chunks = chunks
         self.views = views
-        self.requires_grad = requires_grad
+        self.requires_grad = flat.requires_grad
 
 
 class GroupViews:
@@ -153,44 +166,40 @@ class GroupViews:
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
         flat = self.params[self.flat_name]
-        if _is_compiling():
-            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
-            # registered module's forward the group was split once (see ``trace_split``).
-            traced = self._traced
-            if traced is not None and traced[0] is flat:
-                chunks = traced[1]
-            else:
-                chunks = flat.split(self._split)
-            return chunks[self._segments[index]].view(self._shapes[index])
+        if _is_dynamo_compiling():
+            return self._uncached(flat, index)
+        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
         if _is_grad_enabled():
             mode = _GRAD
+            entry = cache.get(_GRAD)
+            if (
+                entry is None
+                or entry.flat is not flat
+                or entry.alias._version != entry.version
+                or entry.requires_grad is not flat.requires_grad
+            ):
+                return self._rebuild(flat, mode, cache, index)
         else:
             mode = _INFERENCE if _is_inference() else _NO_GRAD
-        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
-        entry = cache.get(mode)
-        if (
-            entry is None
-            or entry.flat is not flat
-            or entry.version != flat._version
-            or entry.requires_grad is not flat.requires_grad
-        ):
-            return self._rebuild(flat, mode, cache, index)
+            entry = cache.get(mode)
+            if entry is None or entry.flat is not flat:
+                return self._rebuild(flat, mode, cache, index)
         try:
             if entry.ptr != flat.data_ptr():
                 return self._rebuild(flat, mode, cache, index)
         except RuntimeError:
             return self._rebuild(flat, mode, cache, index)
-        views = entry.views
-        view = views[index]
+        view = entry.views[index]
         if view is None:
-            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            view = entry.views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
 
     def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
         try:
             ptr = flat.data_ptr()
-        except RuntimeError:  # vmap's batched tensors have no storage: never cache them
-            return flat.split(self._split)[self._segments[index]].view(self._shapes[index])
+        except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
+            return self._uncached(flat, index)
+        alias = flat.detach()
         views: list[Tensor | None]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
@@ -198,13 +207,26 @@ class GroupViews:
             chunks = None
             views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
         else:
-            chunks = flat.split(self._split)
+            # Views of the detached alias record no autograd history, so they stay
+            # usable after in-place updates of the buffer (a view of the parameter
+            # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
+            chunks = alias.split(self._split)
             views = [None] * len(self._shapes)
-        entry = cache[mode] = CacheEntry(flat, flat._version, ptr, chunks, views, flat.requires_grad)
+        entry = cache[mode] = CacheEntry(flat, alias, ptr, chunks, views)
         view = views[index]
         if view is None:
             view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
+
+    def _uncached(self, flat: Tensor, index: int) -> Tensor:
+        """Return slot ``index`` with plain tensor ops: no cache, no version guard (for tracers).
+
+        Inside the registered module's forward under ``torch.compile`` the group
+        was split once (see :func:`trace_split`): every view comes from that split.
+        """
+        traced = self._traced
+        chunks = traced[1] if traced is not None and traced[0] is flat else flat.split(self._split)
+        return chunks[self._segments[index]].view(self._shapes[index])
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
