@@ -5,17 +5,16 @@ pass (per thread, per grad mode) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
 (``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
-into the flat gradient; without grad they come from one ``split``. The cache is
-rebuilt whenever the flat tensor is replaced or re-backed (``.data`` swap,
-``module.to()``), and in grad mode also when it is changed in place
-(``_version``: autograd refuses outputs of a split reused after an in-place
-change) or frozen or unfrozen. Views made without grad (``no_grad``,
-``inference_mode``) are plain aliases of the buffer that record nothing, so
-they keep serving across in-place updates such as optimizer steps. Each grad
-and inference mode and each thread has views of its own. Under
-``torch.compile`` the cache is skipped
-(compiled code sees plain tensor ops) and the registered module's forward
-splits each group once (:func:`trace_split`).
+into the flat gradient; without grad they come from one ``split`` of a
+detached alias, which records nothing. Either way every view aliases the
+buffer and shares its version counter, so views stay valid across in-place
+updates (optimizer steps) while autograd still refuses a backward whose saved
+weights were changed in place. The cache is rebuilt whenever the flat tensor is
+replaced or re-backed (``.data`` swap, ``module.to()``), and in grad mode when
+it is frozen or unfrozen. Each grad and inference mode and each thread has
+views of its own. Under ``torch.compile`` the cache is skipped (compiled code
+sees plain tensor ops) and the registered module's forward splits each group
+once (:func:`trace_split`).
 """
 
 from __future__ import annotations
@@ -82,39 +81,40 @@ class CacheEntry:
     """The views of one group made for one thread and one :class:`GradMode`.
 
     Valid while the flat tensor is the same object with the same
-    ``data_ptr()``; in grad mode also while it has the same ``_version`` and
-    ``requires_grad``.
+    ``data_ptr()`` and, in grad mode, the same ``requires_grad`` and while the
+    view served still has the node's history (an in-place change of a view
+    under grad mode adds to it). In-place updates of the buffer do not
+    invalidate it: every view aliases the buffer and shares its version
+    counter (see ``_GroupSplit``).
 
     Attributes:
         flat: the flat tensor the views were made of.
-        alias: a plain ``detach()`` of it, which shares its version counter:
-            reading ``_version`` from a ``Parameter`` subclass costs three
-            times as much (torch looks up ``__torch_function__`` first).
-        version: the version then.
         ptr: its ``data_ptr()`` then.
         chunks: the segments of one ``split`` (``None`` in grad mode: the views
             are the outputs of one autograd node).
-        views: one view per slot, made on first use (``None`` until then).
+        views: one view per slot; without grad made on first use (``None``
+            until then).
         requires_grad: its ``requires_grad`` then.
+        node: the ``grad_fn`` of the views (``None`` without grad or for a
+            frozen buffer).
     """
 
-    __slots__ = ("alias", "chunks", "flat", "ptr", "requires_grad", "version", "views")
+    __slots__ = ("chunks", "flat", "node", "ptr", "requires_grad", "views")
 
     def __init__(
         self,
         flat: Tensor,
-        alias: Tensor,
         ptr: int,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
     ) -> None:
         self.flat = flat
-        self.alias = alias
-        self.version = alias._version
         self.ptr = ptr
         self.chunks = chunks
         self.views = views
         self.requires_grad = flat.requires_grad
+        first = views[0] if views else None
+        self.node = None if first is None else first.grad_fn
 
 
 class GroupViews:
@@ -175,8 +175,10 @@ class GroupViews:
             if (
                 entry is None
                 or entry.flat is not flat
-                or entry.alias._version != entry.version
                 or entry.requires_grad is not flat.requires_grad
+                # A view changed in place under grad mode carries that change in its
+                # history: serving it again would differentiate through it every pass.
+                or entry.views[index].grad_fn is not entry.node  # type: ignore[union-attr]
             ):
                 return self._rebuild(flat, mode, cache, index)
         else:
@@ -199,20 +201,22 @@ class GroupViews:
             ptr = flat.data_ptr()
         except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
             return self._uncached(flat, index)
-        alias = flat.detach()
         views: list[Tensor | None]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
             views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
+        elif mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
+            chunks = flat.detach().split(self._split)
+            views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
         else:
-            # Views of the detached alias record no autograd history, so they stay
+            # Views of a detached alias record no autograd history, so they stay
             # usable after in-place updates of the buffer (a view of the parameter
             # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
-            chunks = alias.split(self._split)
+            chunks = flat.detach().split(self._split)
             views = [None] * len(self._shapes)
-        entry = cache[mode] = CacheEntry(flat, alias, ptr, chunks, views)
+        entry = cache[mode] = CacheEntry(flat, ptr, chunks, views)
         view = views[index]
         if view is None:
             view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
