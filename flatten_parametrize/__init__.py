@@ -9,6 +9,7 @@ names are unchanged.
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._flat_parameter import FlatParameter
 from ._optim import flat_optim_state_dict, plain_optim_state_dict
+from ._sharded import ShardedOptimizer
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
@@ -21,6 +22,8 @@ __all__ = [
     # optimizer state between the plain and the flattened model
     "flat_optim_state_dict",
     "plain_optim_state_dict",
+    # ZeRO-1/2 over the flat buffers
+    "ShardedOptimizer",
     # types
     "FlatStorage",
     "FlatParameter",

@@ -59,14 +59,16 @@ def _entry(worker: Callable[[int, int, Path], None], rank: int, world: int, port
     dist.destroy_process_group()
 
 
-def _spawn(worker: Callable[[int, int, Path], None], outdir: Path, *, deadline_s: float = 150.0) -> None:
-    """Run ``worker(rank, world, outdir)`` in 2 gloo processes on 127.0.0.1.
+def _spawn(
+    worker: Callable[[int, int, Path], None], outdir: Path, *, deadline_s: float = 150.0, world: int = 2
+) -> None:
+    """Run ``worker(rank, world, outdir)`` in ``world`` gloo processes on 127.0.0.1.
 
     As soon as one rank fails, the others get ``grace_s`` seconds to finish
     (a worker that expects the failure records what it saw), then every
     leftover process is killed and :class:`_RankFailed` reports each failure.
     """
-    world, grace_s = 2, 20.0
+    grace_s = 20.0
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
