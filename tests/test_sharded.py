@@ -344,6 +344,40 @@ def _scenario_layout_mismatch(rank: int, world: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def _scenario_engines(rank: int, world: int) -> dict[str, Any]:
+    """A flattened and a plain model under FSDP2, and under ZeroRedundancyOptimizer + DDP."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    for engine in ("fully_shard", "ZeroRedundancyOptimizer"):
+        for flat in (False, True):
+            model = mlp(depth=3, width=6)
+            initial = values(model)
+            if flat:
+                register_flat_storage(model)
+            wrapped: nn.Module = model
+            opt: torch.optim.Optimizer
+            if engine == "fully_shard":
+                fully_shard(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            else:
+                wrapped = DistributedDataParallel(model)
+                opt = ZeroRedundancyOptimizer(
+                    wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05
+                )
+            for step in range(3):
+                x = torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(step))
+                wrapped(x[_mine(rank, world)]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            full = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
+            out[f"{engine}, flat={flat}"] = {k: v.detach().clone() for k, v in full.items()}
+            out[f"{engine}, initial"] = initial
+    return out
+
+
 def _failing_rank(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=2))
     storage = register_flat_storage(nn.Linear(3, 2))
@@ -374,6 +408,7 @@ def _run_two(rank: int, world: int, outdir: Path) -> None:
     _save(outdir, rank, "checkpoint", _scenario_checkpoint_save(rank, world, outdir))
     for name, scenario in _SCENARIOS.items():
         _save(outdir, rank, name, scenario(rank, world))
+    _save(outdir, rank, "engines", _scenario_engines(rank, world))
     _save(outdir, rank, "failing_rank", _failing_rank(rank, world))  # last: it ends the launch
 
 
@@ -510,6 +545,17 @@ def test_different_layouts_on_ranks_raise_on_every_rank(ranks):
     for result in _results(ranks, "layout_mismatch"):
         assert result["error"] is not None
         assert f"ranks [{world - 1}] differ from rank 0" in result["error"]
+
+
+@pytest.mark.parametrize("engine", ["fully_shard", "ZeroRedundancyOptimizer"])
+def test_flattened_model_trains_like_the_plain_one_under_other_engines(two_ranks, engine):
+    """FSDP2's fully_shard and ZeroRedundancyOptimizer + DDP train a flattened model like the plain one."""
+    for result in _results(two_ranks, "engines"):
+        plain, flat, initial = (result[f"{engine}, {k}"] for k in ("flat=False", "flat=True", "initial"))
+        assert list(flat) == list(plain)
+        for key, value in plain.items():
+            assert not torch.allclose(value, initial[key]), key
+            torch.testing.assert_close(flat[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
 # ------------------------------------------------------------------------- checkpoints
