@@ -399,6 +399,20 @@ def _reduced_groups(storage, calls) -> list[str]:
     ]
 
 
+def test_collectives_on_a_storage_without_groups_do_nothing(collectives):
+    """Explicitly empty groups: every sync call works and launches no collective."""
+    model = _blocks()
+    storage = register_flat_storage(model, [[]])
+    storage.all_reduce_grads()
+    storage.broadcast_params()
+    storage.enable_grad_sync()
+    with storage.no_sync():
+        model(torch.ones(1, 4)).sum().backward()
+    model(torch.ones(1, 4)).sum().backward()
+    storage.disable_grad_sync()
+    assert collectives == [] and model[0].weight.grad is not None
+
+
 @pytest.mark.parametrize(
     "call",
     [

@@ -413,20 +413,6 @@ def test_register_refuses_align_of_a_wrong_type(align, shown):
 # ===================================================================== register: bad values
 
 
-@pytest.mark.parametrize(
-    ("groups", "group"),
-    [({"decay": ["*.weight"], "empty": []}, "empty"), ([], "0"), ([["0.*"], []], "1")],
-)
-def test_register_refuses_an_empty_group(groups, group):
-    """A group must name at least one parameter: ValueError naming the empty group."""
-    model = mlp()
-    snap = snapshot(model)
-    with pytest.raises(ValueError, match=rf"group '{group}' is empty"):
-        register_flat_storage(model, groups)
-    assert_unchanged(model, snap)
-    assert_plain(model)
-
-
 def test_register_refuses_a_parameter_not_in_the_module():
     """Only parameters of the module can be flattened: ValueError naming item, group and shape."""
     model = mlp()
@@ -1477,15 +1463,6 @@ def test_storage_getitem_refuses_a_non_str_key():
     storage = register_flat_storage(model)
     with pytest.raises(TypeError, match=r"named by str; got int 0; groups are \['0'\]"):
         storage[0]  # type: ignore[index]
-
-
-def test_register_refuses_an_empty_mapping_of_groups():
-    """groups={} would flatten nothing: refused, module untouched."""
-    model = nn.Sequential(nn.Linear(2, 2))
-    snap = snapshot(model)
-    with pytest.raises(ValueError, match=r"groups is an empty mapping.*groups=None"):
-        register_flat_storage(model, {})
-    assert_unchanged(model, snap)
 
 
 def test_register_refuses_a_parameter_subclass():

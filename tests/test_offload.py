@@ -293,12 +293,15 @@ def test_offload_again_to_the_same_directory_does_nothing(tmp_path):
     assert storage.offload_files == files and len(_listing(tmp_path)) == 1
 
 
-def test_offload_of_module_without_parameters_is_a_no_op(tmp_path):
+@pytest.mark.parametrize("groups", [None, []], ids=["parameterless-module", "empty-groups"])
+def test_offload_of_a_storage_without_groups_is_a_no_op(tmp_path, groups):
     """A storage with no groups offloads nothing and writes no file."""
-    module = nn.ReLU()
-    storage = register_flat_storage(module)
+    module = nn.Sequential(nn.ReLU()) if groups is None else nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(module, groups)
     storage.offload_to_disk(tmp_path)
     assert not storage.is_offloaded and _listing(tmp_path) == []
+    storage.load_to_memory()
+    assert not storage.is_offloaded
 
 
 def test_offload_files_are_deleted_when_the_model_is_collected(tmp_path):
