@@ -32,11 +32,9 @@ Usage: ``python benchmarks/bench_zero.py [--quick]`` (``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -46,8 +44,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._processes import Worker, emit, free_ports, serve, started, time_in_turns
 from benchmarks._timing import Table
-from benchmarks.bench_ddp import TAG, _config, _fmt_ms, _free_ports, _malloc_env, _minor_faults, _Rank
+from benchmarks.bench_ddp import _config, _fmt_ms, _malloc_env, _minor_faults
 
 __all__ = ["main"]
 
@@ -168,77 +167,62 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     for _ in range(config["warmup"] - 1):
         step()
     grad_bytes, state_bytes = step(count=True)
-    print(
-        TAG + json.dumps({"params": params, "grad_bytes": grad_bytes, "state_bytes": state_bytes}), flush=True
-    )
+    emit({"params": params, "grad_bytes": grad_bytes, "state_bytes": state_bytes})
     reset_peak()
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
+
+    def measure(what: str) -> dict[str, float]:
         dist.barrier()
         faults_before = _minor_faults()
         start = time.perf_counter()
         for _ in range(config["steps"]):
             step()
         elapsed = time.perf_counter() - start
-        print(
-            TAG
-            + json.dumps(
-                {
-                    "seconds": elapsed / config["steps"],
-                    "faults": (_minor_faults() - faults_before) / config["steps"],
-                    "peak_above_model": (peak_bytes() or 0) - base,
-                }
-            ),
-            flush=True,
-        )
+        return {
+            "seconds": elapsed / config["steps"],
+            "faults": (_minor_faults() - faults_before) / config["steps"],
+            "peak_above_model": (peak_bytes() or 0) - base,
+        }
+
+    serve(measure)
     dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ launcher
 
 
+def _rank(argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]) -> Worker:
+    """Start one rank of one contender."""
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--worker",
+        str(rank),
+        str(port),
+        contender,
+    ]
+    return Worker(command, f"bench_zero: {contender!r} rank {rank}", env)
+
+
 def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Start both ranks of every contender, then time them in turns; return the measurements."""
     env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), **_malloc_env(config)}
-    script = Path(__file__)
     pairs = {
-        name: [_Rank(argv, rank, port, name, env, script) for rank in range(WORLD)]
-        for name, port in zip(CONTENDERS, _free_ports(len(CONTENDERS)))
+        name: [_rank(argv, rank, port, name, env) for rank in range(WORLD)]
+        for name, port in zip(CONTENDERS, free_ports(len(CONTENDERS)))
     }
-    ranks = [rank for pair in pairs.values() for rank in pair]
-
-    def stop_all() -> None:
-        for rank in ranks:
-            rank.proc.kill()
-
-    watchdog = threading.Timer(timeout, stop_all)
-    watchdog.start()
-    try:
+    with started([rank for pair in pairs.values() for rank in pair], timeout):
         ready = {name: [rank.receive() for rank in pair] for name, pair in pairs.items()}
-        samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-        peaks: dict[str, float] = dict.fromkeys(CONTENDERS, 0.0)
-        for r in range(config["rounds"]):
-            for name in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
-                for rank in pairs[name]:
-                    rank.send("go")
-                measured = [rank.receive() for rank in pairs[name]]
-                samples[name].append(max(m["seconds"] for m in measured))
-                peaks[name] = max(peaks[name], *(m["peak_above_model"] for m in measured))
-        for rank in ranks:
-            rank.send("stop")
-        for rank in ranks:
-            rank.proc.wait()
-    finally:
-        watchdog.cancel()
-        for rank in ranks:
-            if rank.proc.poll() is None:
-                rank.proc.kill()
-            rank.proc.wait()
-    counted = {
-        name: max(m["grad_bytes"] + m["state_bytes"] for m in messages) for name, messages in ready.items()
+        found = time_in_turns(pairs, "step", config["rounds"])
+    # The slower rank counts; memory is the larger rank's.
+    return {
+        "samples": {name: [max(m["seconds"] for m in r) for r in rounds] for name, rounds in found.items()},
+        "peaks": {
+            name: max(m["peak_above_model"] for r in rounds for m in r) for name, rounds in found.items()
+        },
+        "counted": {name: max(m["grad_bytes"] + m["state_bytes"] for m in ms) for name, ms in ready.items()},
+        "params": ready[DDP][0]["params"],
     }
-    return {"samples": samples, "peaks": peaks, "counted": counted, "params": ready[DDP][0]["params"]}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
