@@ -188,6 +188,18 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
         storage = register_flat_storage(model, bucket_cap_mb=1200 / 2**20)
         opt = ShardedOptimizer(storage, torch.optim.Adam, lr=0.01, shard_gradients=shard)
         ref = torch.optim.Adam(plain.parameters(), lr=0.01)
+        in_flight: list[int] = []
+        start = opt._start
+
+        def counting_start(piece, start=start, storage=storage, opt=opt, in_flight=in_flight):
+            started = start(piece)
+            # full flat gradients alive once this bucket's reduction started
+            alive = {id(f.grad) for f in storage.flat_params if f.grad is not None}
+            alive |= {id(grad) for _, _, grad in (*opt._pending, started) if grad.numel() > piece.chunk}
+            in_flight.append(len(alive))
+            return started
+
+        opt._start = counting_start
         for step in range(3):
             x, y = torch.randn(2, BATCH, 16, generator=torch.Generator().manual_seed(step))
             (model(x[_mine(rank, world)]) - y[_mine(rank, world)]).pow(2).mean().backward()
@@ -208,6 +220,7 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
             "bucket_bytes": max(f.nbytes for f in storage.flat_params),
             "groups": len(storage.flat_params),
             "flat_grad_after": flat_grad_none,
+            "in_flight": max(in_flight),
         }
     return out
 
@@ -521,6 +534,7 @@ def test_buckets_train_alike_and_hold_a_slice_of_state_and_gradients(ranks):
         slice_bytes = zero2["full_bytes"] / world
         assert slice_bytes <= zero2["grad_bytes"] <= slice_bytes + zero2["groups"] * (world - 1) * 4
         assert zero1["grad_bytes"] >= zero1["full_bytes"]
+        assert zero2["in_flight"] == 1  # one whole bucket gradient at a time during backward
 
 
 def test_mixed_dtypes_get_one_slice_per_group(ranks):
@@ -825,3 +839,29 @@ def test_load_sharded_state_dict_checks_its_input(world1):
         opt.load_sharded_state_dict({**sd, "numels": [26, 9]})
     opt.load_sharded_state_dict(sd)
     assert opt.state[storage["0"]]["exp_avg"].data_ptr() != sd["state"][0]["exp_avg"].data_ptr()
+
+
+def test_flat_buffer_moved_to_new_memory_is_followed(world1):
+    """A flat parameter whose .data was replaced is stepped in its new memory."""
+    model, storage = _small()
+    opt = ShardedOptimizer(storage, torch.optim.SGD, lr=0.1)
+    _step(model, opt)
+    with torch.no_grad():
+        storage["0"].data = storage["0"].data.clone()
+    before = storage["0"].detach().clone()
+    _step(model, opt, seed=1)
+    assert not torch.equal(storage["0"], before)
+    assert opt.local_optimizer.param_groups[0]["params"][0].data_ptr() == storage["0"].data_ptr()
+
+
+def test_reentrant_checkpointing_is_refused(world1):
+    """A flat gradient made by a nested backward raises and says to pass use_reentrant=False."""
+    model, storage = _small()
+    opt = ShardedOptimizer(storage, torch.optim.SGD, lr=0.1)
+    x = torch.ones(2, 3, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+    with pytest.raises(RuntimeError, match=r"nested \(reentrant\) backward.*use_reentrant=False"):
+        out.sum().backward()
+    opt.zero_grad()
+    model(x).sum().backward()  # the next backward syncs again
+    assert opt.local_optimizer.param_groups[0]["params"][0].grad is not None
