@@ -33,7 +33,6 @@ what it is built for.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import weakref
@@ -45,160 +44,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _sharded_state
 from ._distributed import _current_node, _graph_task_id, _process_group, _queue_callback
-from ._optim import _check_state_dict
+from ._shard import Shard, all_gather, reduce_scatter
+from ._sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
 
 if TYPE_CHECKING:
     from ._storage import FlatStorage
 
 __all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS"]
-
-#: Optimizers whose update of an element depends only on that element's gradient and state
-#: (so that a slice cut through parameters is stepped exactly like the whole).
-ALLOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-)
-#: Optimizers that are never element-wise: refused even with ``allow_unlisted=True``.
-_NEVER = (torch.optim.LBFGS, torch.optim.SparseAdam)
-
-#: Version tag of :meth:`ShardedOptimizer.sharded_state_dict`.
-SHARDED_FORMAT = "flatten_parametrize.sharded_optimizer/1"
-
-_all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter: Callable[..., Any] = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
-
-
-def _check_class(optimizer_class: Any, allow_unlisted: bool) -> None:
-    """Refuse anything but an element-wise ``torch.optim.Optimizer`` class."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(
-            f"ShardedOptimizer: optimizer_class must be a torch.optim.Optimizer subclass; got "
-            f"{type(optimizer_class).__name__} {optimizer_class!r}; pass the class, e.g. torch.optim.AdamW"
-        )
-    allowed = ", ".join(c.__name__ for c in ALLOWED_OPTIMIZERS)
-    if issubclass(optimizer_class, _NEVER):
-        raise ValueError(
-            f"ShardedOptimizer: {optimizer_class.__name__} is not element-wise (it needs whole tensors), so "
-            f"its state cannot be cut into slices; use one of {allowed}"
-        )
-    if optimizer_class not in ALLOWED_OPTIMIZERS and not allow_unlisted:
-        raise ValueError(
-            f"ShardedOptimizer steps slices cut through parameters, so it takes element-wise optimizers "
-            f"only: {allowed}; got {optimizer_class.__qualname__}; pass allow_unlisted=True if you know that "
-            "its update of each element uses only that element's gradient and state"
-        )
-
-
-def _param_groups(storage: FlatStorage, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
-    """Return ``params`` as param-group dicts over flat parameters of ``storage`` (checked)."""
-    flats = storage.flat_params
-    if params is None:
-        params = [{"params": list(flats)}]
-    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"ShardedOptimizer: params must be None or an iterable of flat parameters or of param-group "
-            f"dicts; got {type(params).__name__}; pass e.g. [{{'params': [storage['0']]}}]"
-        )
-    items = list(params)
-    if items and not isinstance(items[0], Mapping):
-        items = [{"params": items}]
-    groups, seen = [], list(taken)
-    for i, item in enumerate(items):
-        if not isinstance(item, Mapping) or "params" not in item:
-            raise TypeError(
-                f"ShardedOptimizer: param group {i} must be a dict with a 'params' list; got "
-                f"{type(item).__name__}; pass e.g. {{'params': [storage['0']], 'lr': 0.1}}"
-            )
-        members = item["params"]
-        members = [members] if isinstance(members, Tensor) else list(members)
-        for p in members:
-            if not any(p is f for f in flats):
-                what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
-                raise ValueError(
-                    f"ShardedOptimizer: every parameter must be a flat parameter of the storage (one of "
-                    f"{['flat_param_' + n for n in storage.group_names]}); got {what} in param group {i}; "
-                    "pass storage[group name] or storage.flat_params"
-                )
-            if any(p is q for q in seen):
-                name = storage.group_names[next(g for g, f in enumerate(flats) if f is p)]
-                raise ValueError(
-                    f"ShardedOptimizer: flat parameter of group {name!r} appears in more than one "
-                    "param group (or is already optimized); list each flat parameter once"
-                )
-            seen.append(p)
-        groups.append({**item, "params": members})
-    return groups
-
-
-def _elementwise(value: Any) -> bool:
-    """Return whether a state value has one element per parameter element (a 1-D tensor)."""
-    return isinstance(value, Tensor) and value.dim() == 1
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
-
-
-class _Shard:
-    """This rank's slice of one flat parameter and the inner optimizer's parameter for it."""
-
-    def __init__(self, g: int, flat: Tensor, rank: int, world: int) -> None:
-        #: Index of the flat parameter in ``storage.flat_params``.
-        self.g = g
-        self.flat = flat
-        self.numel = n = flat.numel()
-        self.chunk = c = -(-n // world)
-        self.lo, self.hi = min(rank * c, n), min((rank + 1) * c, n)
-        #: Whether the slice reaches past the end of the buffer: then ``param`` is a zero-padded copy.
-        self.shadow = self.hi - self.lo < c
-        self.param = torch.zeros(c, dtype=flat.dtype, device=flat.device)
-        self.hooked: Tensor | None = None
-        self.bind()
-
-    def bounds(self, owner: int) -> tuple[int, int]:
-        """Return the element range of ``owner``'s slice inside the flat buffer."""
-        return min(owner * self.chunk, self.numel), min((owner + 1) * self.chunk, self.numel)
-
-    def bind(self) -> None:
-        """Point ``param`` at the flat buffer's current memory (or refresh the padded copy)."""
-        flat = self.flat.detach()
-        with torch.no_grad():
-            if self.shadow:
-                self.param[: self.hi - self.lo].copy_(flat[self.lo : self.hi])
-                self.param[self.hi - self.lo :].zero_()
-            else:
-                self.param.set_(flat.untyped_storage(), flat.storage_offset() + self.lo, (self.chunk,), (1,))
-        self.ptr = flat.data_ptr()
-
-    def set_grad(self, values: Tensor, accumulate: bool) -> None:
-        """Make ``values`` (this rank's gradient elements, padded or not) the slice's gradient."""
-        grad = self.param.grad
-        if accumulate and grad is not None:
-            grad[: values.numel()].add_(values)
-        elif values.numel() == self.chunk:
-            self.param.grad = values
-        else:
-            padded = torch.zeros_like(self.param)
-            padded[: values.numel()].copy_(values)
-            self.param.grad = padded
-
-    def assemble(self, pieces: Iterable[tuple[int, Tensor]], like: Tensor) -> Tensor:
-        """Return a new zero-padded slice built from ``(flat offset, values)`` pieces overlapping it."""
-        out = torch.zeros(self.chunk, dtype=like.dtype, device=self.param.device)
-        for start, values in pieces:
-            lo, hi = max(start, self.lo), min(start + values.numel(), self.hi)
-            if hi > lo:
-                out[lo - self.lo : hi - self.lo].copy_(values[lo - start : hi - start])
-        return out
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -287,8 +141,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"ShardedOptimizer needs a FlatStorage; got {type(storage).__name__}; pass the result of "
                 "register_flat_storage(model)"
             )
-        _check_class(optimizer_class, allow_unlisted)
-        groups = _param_groups(storage, params)
+        check_class(optimizer_class, allow_unlisted)
+        groups = param_groups(storage, params)
         pg, world = _process_group(process_group, "ShardedOptimizer")
         if storage._grad_sync is not None:
             raise RuntimeError(_TWICE)
@@ -300,14 +154,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._nccl = "nccl" in str(dist.get_backend(pg))
         self._by_owner = not self._nccl
         #: This rank's slices, in storage order (the order collectives start in, on every rank).
-        self._shards: list[_Shard] = []
+        self._shards: list[Shard] = []
         self._handles: list[Any] = []
         self._begin(None)
         self._building = True
         inner_groups = [{**g, "params": self._new_shards(storage, g["params"])} for g in groups]
         self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
         outer = [
-            {**_hyper(inner), "params": g["params"]}
+            {**hyperparameters(inner), "params": g["params"]}
             for g, inner in zip(groups, self.local_optimizer.param_groups)
         ]
         super().__init__(outer, dict(self.local_optimizer.defaults))
@@ -320,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _new_shards(self, storage: FlatStorage, flats: list[Tensor]) -> list[Tensor]:
         """Make a slice of each trainable flat parameter in ``flats``; return the inner parameters."""
         new = [
-            _Shard(g, flat, self._rank, self._world)
+            Shard(g, flat, self._rank, self._world)
             for g, flat in enumerate(storage.flat_params)
             if flat.requires_grad and any(flat is f for f in flats)
         ]
@@ -337,7 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         return storage
 
-    def _shard_of(self, flat: Tensor) -> _Shard | None:
+    def _shard_of(self, flat: Tensor) -> Shard | None:
         return next((s for s in self._shards if s.flat is flat), None)
 
     def _check_layout(self, storage: FlatStorage, optimizer_class: type) -> None:
@@ -434,7 +288,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._task = task
         self._ready: set[int] = set()
         self._next = 0
-        self._pending: list[tuple[_Shard, list[Any], Tensor]] = []
+        self._pending: list[tuple[Shard, list[Any], Tensor]] = []
 
     def _grad_ready(self, flat: Tensor) -> None:
         """Hook body: ``flat``'s gradient is final for this backward."""
@@ -462,7 +316,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._pending.append(self._start(self._shards[self._next]))
             self._next += 1
 
-    def _start(self, shard: _Shard) -> tuple[_Shard, list[Any], Tensor]:
+    def _start(self, shard: Shard) -> tuple[Shard, list[Any], Tensor]:
         """Start reducing ``shard``'s flat gradient (zeros where this rank has none)."""
         flat, pg, world = shard.flat, self._pg, self._world
         grad = flat.grad
@@ -488,7 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if grad.numel() != shard.chunk * world:
             padded = torch.cat([grad, grad.new_zeros(shard.chunk * world - grad.numel())])
         out = grad.new_empty(shard.chunk)
-        return shard, [_reduce_scatter(out, padded, group=pg, async_op=True)], out
+        return shard, [reduce_scatter(out, padded, group=pg, async_op=True)], out
 
     def _finish(self) -> None:
         """Wait for the reductions in flight and hand each slice its averaged gradient."""
@@ -557,10 +411,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
-        (group,) = _param_groups(storage, [param_group], taken=taken)
+        (group,) = param_groups(storage, [param_group], taken=taken)
         new = self._new_shards(storage, group["params"])
         self.local_optimizer.add_param_group({**group, "params": new})
-        super().add_param_group({**_hyper(self.local_optimizer.param_groups[-1]), "params": group["params"]})
+        super().add_param_group(
+            {**hyperparameters(self.local_optimizer.param_groups[-1]), "params": group["params"]}
+        )
         self._broadcast(group["params"])
         self._hook(storage)
 
@@ -594,7 +450,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._refresh()
         for outer, inner in zip(self.param_groups, self.local_optimizer.param_groups):
-            inner.update(_hyper(outer))
+            inner.update(hyperparameters(outer))
         self.local_optimizer.step()
         self._gather()
         return loss
@@ -616,10 +472,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 dist.broadcast(flat[lo:hi], self._owners[owner], group=pg, async_op=True)
                             )
                 elif shard.numel == shard.chunk * world:  # in place: the input is the output's slice
-                    works.append(_all_gather(flat, shard.param, group=pg, async_op=True))
+                    works.append(all_gather(flat, shard.param, group=pg, async_op=True))
                 else:
                     out = flat.new_empty(shard.chunk * world)
-                    works.append(_all_gather(out, shard.param, group=pg, async_op=True))
+                    works.append(all_gather(out, shard.param, group=pg, async_op=True))
                     padded.append((flat, out))
             for work in works:
                 work.wait()
@@ -697,16 +553,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return total.to(dtype)
 
     # ---------------------------------------------------------------- checkpoints
-    def _packed_groups(self) -> tuple[list[dict[str, Any]], list[tuple[int, Tensor]]]:
-        """Return the param groups with integer ids, as torch packs them, and ``(id, flat)`` pairs."""
-        groups: list[dict[str, Any]] = []
-        ids: list[tuple[int, Tensor]] = []
-        for group in self.param_groups:
-            start = len(ids)
-            ids += [(start + i, p) for i, p in enumerate(group["params"])]
-            groups.append({**_hyper(group), "params": list(range(start, len(ids)))})
-        return groups, ids
-
     def state_dict(self) -> dict[str, Any]:
         """Return the whole optimizer state, gathered, in the format of a single-process optimizer.
 
@@ -726,41 +572,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> if dist.get_rank() == 0:  # doctest: +SKIP
             ...     torch.save(sd, "optim.pt")
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        groups, ids = self._packed_groups()
-        state: dict[int, dict[str, Any]] = {}
-        for index, flat in ids:
-            shard = self._shard_of(flat)
-            entry = None if shard is None else self.local_optimizer.state.get(shard.param)
-            if entry:
-                state[index] = {key: self._gather_value(shard, value) for key, value in entry.items()}  # type: ignore[arg-type]
-        result: dict[str, Any] = {"state": state, "param_groups": groups}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            hooked = post_hook(self, result)
-            if hooked is not None:
-                result = hooked
-        return result
-
-    def _gather_value(self, shard: _Shard, value: Any) -> Any:
-        """Return one state value of the whole flat parameter (slices gathered from their owners)."""
-        if not _elementwise(value):
-            return _copy(value)
-        world, pg = self._world, self._pg
-        if not self._by_owner:
-            out = value.new_empty(shard.chunk * world)
-            _all_gather(out, value.contiguous(), group=pg)
-            return out[: shard.numel].clone()
-        full = value.new_zeros(shard.numel)
-        full[shard.lo : shard.hi].copy_(value[: shard.hi - shard.lo])
-        works = []
-        for owner in range(world):
-            lo, hi = shard.bounds(owner)
-            if hi > lo:
-                works.append(dist.broadcast(full[lo:hi], self._owners[owner], group=pg, async_op=True))
-        for work in works:
-            work.wait()
-        return full
+        return _sharded_state.gathered_state_dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or a single-process optimizer's), at any world size.
@@ -779,72 +591,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.load_state_dict(torch.load("optim.pt"))  # doctest: +SKIP
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hooked = pre_hook(self, state_dict)  # type: ignore[arg-type]
-            if hooked is not None:
-                state_dict = hooked
-        state, groups = _check_state_dict(state_dict, "ShardedOptimizer.load_state_dict()")
-        saved = self._match_groups(groups, "load_state_dict()")
-
-        def piece(shard: _Shard, saved_id: Any, key: str, value: Tensor) -> Tensor:
-            if value.numel() != shard.numel:
-                raise ValueError(
-                    f"ShardedOptimizer.load_state_dict(): state {key!r} of parameter {saved_id} has "
-                    f"{value.numel()} elements, but its flat parameter has {shard.numel}; load a state dict "
-                    "saved for the same layout"
-                )
-            return shard.assemble([(0, value)], value)
-
-        self._load_local(groups, saved, state, piece)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _match_groups(self, groups: list[Mapping[str, Any]], what: str) -> dict[int, Any]:
-        """Return ``{id(flat): saved id}`` after checking that the param groups have our sizes."""
-        sizes = [len(g["params"]) for g in self.param_groups]
-        saved_sizes = [len(g["params"]) for g in groups]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"ShardedOptimizer.{what}: the state dict has param groups of {saved_sizes} parameters; this "
-                f"optimizer has {sizes}; load a state dict of an optimizer with the same param groups"
-            )
-        return {
-            id(p): saved_id
-            for g, s in zip(self.param_groups, groups)
-            for p, saved_id in zip(g["params"], s["params"])
-        }
-
-    def _load_local(
-        self,
-        groups: list[Mapping[str, Any]],
-        saved: dict[int, Any],
-        state: Mapping[Any, Any],
-        piece: Callable[[_Shard, Any, str, Tensor], Tensor],
-    ) -> None:
-        """Give the inner optimizer this rank's slices (``piece`` cuts an element-wise value)."""
-        inner_state: dict[int, dict[str, Any]] = {}
-        inner_groups = []
-        index = 0
-        for outer, group in zip(self.param_groups, groups):
-            ids = []
-            for flat in outer["params"]:
-                shard = self._shard_of(flat)
-                if shard is None:
-                    continue
-                saved_id = saved[id(flat)]
-                entry = state.get(saved_id)
-                if entry:
-                    inner_state[index] = {
-                        key: piece(shard, saved_id, key, value) if _elementwise(value) else _copy(value)
-                        for key, value in entry.items()
-                    }
-                ids.append(index)
-                index += 1
-            inner_groups.append({**_hyper(group), "params": ids})
-        self.local_optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-        for outer, inner in zip(self.param_groups, self.local_optimizer.param_groups):
-            outer.update(_hyper(inner))
-        self._link_state()
+        _sharded_state.load_gathered(self, state_dict)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Return this rank's slices of the state, without any collective.
@@ -860,24 +607,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")  # doctest: +SKIP
         """
-        groups, ids = self._packed_groups()
-        state: dict[int, dict[str, Any]] = {}
-        for index, flat in ids:
-            shard = self._shard_of(flat)
-            entry = None if shard is None else self.local_optimizer.state.get(shard.param)
-            if shard is not None and entry:
-                state[index] = {
-                    key: value[: shard.hi - shard.lo] if _elementwise(value) else value
-                    for key, value in entry.items()
-                }
-        return {
-            "format": SHARDED_FORMAT,
-            "world_size": self._world,
-            "rank": self._rank,
-            "numels": [flat.numel() for _, flat in ids],
-            "state": state,
-            "param_groups": groups,
-        }
+        return _sharded_state.local_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Load slices saved by :meth:`sharded_state_dict`, at the same or another world size.
@@ -899,67 +629,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(2)]  # doctest: +SKIP
             >>> opt.load_sharded_state_dict(parts)  # doctest: +SKIP
         """
-        parts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
-        for part in parts:
-            if not isinstance(part, Mapping) or part.get("format") != SHARDED_FORMAT:
-                raise TypeError(
-                    "ShardedOptimizer.load_sharded_state_dict() needs what sharded_state_dict() returns "
-                    f"(or a list of them, one per saving rank); got {type(part).__name__}; for a gathered "
-                    "state dict call load_state_dict()"
-                )
-        saved_world = parts[0]["world_size"]
-        if isinstance(state_dict, Mapping):
-            if saved_world != self._world or parts[0]["rank"] != self._rank:
-                raise ValueError(
-                    f"ShardedOptimizer.load_sharded_state_dict(): this dict holds rank {parts[0]['rank']}'s "
-                    f"slices of a world of {saved_world}; this is rank {self._rank} of {self._world}; pass "
-                    "this rank's own dict, or the list of every saving rank's dicts to reshard (with "
-                    "torch.load(path, mmap=True) only the needed ranges are read)"
-                )
-            by_rank = {self._rank: parts[0]}
-        else:
-            ranks = [p["rank"] for p in parts]
-            if ranks != list(range(saved_world)) or any(p["world_size"] != saved_world for p in parts):
-                raise ValueError(
-                    "ShardedOptimizer.load_sharded_state_dict(): a list must hold the dicts of every saving "
-                    f"rank in rank order; got ranks {ranks} of world sizes "
-                    f"{[p['world_size'] for p in parts]}; "
-                    "pass [dict of rank 0, dict of rank 1, ...]"
-                )
-            by_rank = dict(enumerate(parts))
-        _, ids = self._packed_groups()
-        numels = [flat.numel() for _, flat in ids]
-        if parts[0]["numels"] != numels:
-            raise ValueError(
-                "ShardedOptimizer.load_sharded_state_dict(): the dict was saved for flat parameters of "
-                f"{parts[0]['numels']} elements; this optimizer has {numels}; load a state saved for "
-                "the same layout and param groups"
-            )
-        groups = parts[0]["param_groups"]
-        saved = self._match_groups(groups, "load_sharded_state_dict()")
-
-        def piece(shard: _Shard, saved_id: Any, key: str, value: Tensor) -> Tensor:
-            chunk = -(-shard.numel // saved_world)
-            pieces = []
-            for owner, part in by_rank.items():
-                lo, hi = min(owner * chunk, shard.numel), min((owner + 1) * chunk, shard.numel)
-                if hi > shard.lo and lo < shard.hi:
-                    pieces.append((lo, part["state"][saved_id][key]))
-            return shard.assemble(pieces, value)
-
-        state = parts[self._rank % len(parts)]["state"]
-        self._load_local(groups, saved, state, piece)
+        _sharded_state.load_local_parts(self, state_dict)
 
 
 _TWICE = (
     "ShardedOptimizer syncs gradients itself, but the storage's grad sync is enabled (each gradient "
     "would be reduced twice); call storage.disable_grad_sync()"
 )
-
-
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a param group's hyperparameters (everything but ``params``)."""
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _ready_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[Tensor], None]:
