@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--no-trim", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
+    parser.add_argument(
+        "--collectives",
+        type=int,
+        metavar="WORLD",
+        help="instead: time the collectives that move slices, on WORLD gloo ranks (one flat buffer)",
+    )
     parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
     return parser
 
@@ -225,6 +231,102 @@ def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict
     }
 
 
+# ---------------------------------------------------------- collectives alone
+
+
+def _collectives_rank(rank: int, world: int, port: int, numel: int, rounds: int, out: Any) -> None:
+    """Time each way of moving slices of one flat buffer; rank 0 puts ``{name: [seconds]}`` in ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from flatten_parametrize._shard import all_gather, reduce_scatter
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    chunk = -(-numel // world)
+    flat, padded = torch.randn(numel), torch.zeros(chunk * world)
+    mine = padded[rank * chunk : (rank + 1) * chunk]
+    ranges = [(min(o * chunk, numel), min((o + 1) * chunk, numel)) for o in range(world)]
+
+    def each_owner(op: Any) -> None:
+        works = [op(flat[lo:hi], owner, async_op=True) for owner, (lo, hi) in enumerate(ranges) if hi > lo]
+        for work in works:
+            work.wait()
+
+    def zero_padded_all_reduce() -> None:
+        lo, hi = ranges[rank]
+        flat[:lo].zero_()
+        flat[hi:].zero_()
+        dist.all_reduce(flat)
+
+    ways = {
+        "gather: broadcast from each owner (used on gloo)": lambda: each_owner(dist.broadcast),
+        "gather: all_gather_into_tensor, padded (used on NCCL)": lambda: (
+            all_gather(padded, mine),
+            flat.copy_(padded[:numel]),
+        ),
+        "gather: all_reduce of a zero-padded buffer": zero_padded_all_reduce,
+        "reduce: reduce to each owner (used on gloo)": lambda: each_owner(dist.reduce),
+        "reduce: reduce_scatter_tensor, padded (used on NCCL)": lambda: (
+            padded[:numel].copy_(flat),
+            reduce_scatter(mine.clone(), padded),
+        ),
+        "reduce: all_reduce (ZeRO-1)": lambda: dist.all_reduce(flat),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(rounds + 1):  # the first round warms up
+        for name in ways if r % 2 == 0 else reversed(list(ways)):
+            dist.barrier()
+            start = time.perf_counter()
+            ways[name]()
+            dist.barrier()
+            if r:
+                samples[name].append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(samples)
+    dist.destroy_process_group()
+
+
+def _collectives(world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Time the collectives that move slices on ``world`` gloo ranks and print the table."""
+    import multiprocessing
+
+    numel = int(config["bucket_cap_mb"] * MIB // 4) + 1  # not a multiple of the world size: padded
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    (port,) = free_ports(1)
+    procs = [
+        ctx.Process(target=_collectives_rank, args=(rank, world, port, numel, config["rounds"], out))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    samples = out.get(timeout=600)
+    for proc in procs:
+        proc.join(60)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    table = Table(
+        f"Moving the slices of one flat buffer of {numel * 4 / MIB:.0f} MiB (float32, {numel} elements) "
+        f"between {world} gloo ranks",
+        ["collective", "median", "ratio to the one used on gloo"],
+    )
+    for name, median in medians.items():
+        used = next(m for n, m in medians.items() if n.split(":")[0] == name.split(":")[0] and "gloo" in n)
+        table.add(name, _fmt_ms(median), f"{median / used:.2f}")
+    table.notes.append(
+        f"{config['rounds']} rounds after one warm-up round, alternating; median over rounds; the gathers "
+        "include the copy out of the padded buffer, the reduce-scatter the copy into it."
+    )
+    print(table.render(), flush=True)
+    return {"median_s": medians}
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Time a training step of each contender, count its memory, and print the table.
 
@@ -241,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.worker is not None:
         _worker(int(args.worker[0]), int(args.worker[1]), args.worker[2], config)
         return {}
+    if args.collectives is not None:
+        return _collectives(args.collectives, config)
     start = time.perf_counter()
     measured = _launch(argv, config, args.timeout)
     medians = {name: statistics.median(values) for name, values in measured["samples"].items()}

@@ -22,13 +22,13 @@ Per training step:
 * ``step()``: the inner optimizer updates this rank's slices, then every
   slice is copied from its owner into every rank's flat buffer.
 
-Collectives per backend, measured on gloo (2-core CPU, 26 MB buffer, 2 and 3
-ranks): to gather the updated slices, a broadcast from each owner took
-9-22 ms against 18-96 ms for ``all_gather_into_tensor`` and 19-59 ms for an
-all-reduce of a zero-padded buffer; to reduce gradients, a reduce to each
-owner took 16-32 ms against 35-139 ms for ``reduce_scatter_tensor``. NCCL has
-in-place ``all_gather`` / ``reduce_scatter`` over one padded buffer, which is
-what it is built for.
+Collectives per backend, measured on gloo (``benchmarks/bench_zero.py
+--collectives``, 25 MiB bucket, 2 and 3 ranks): a broadcast from each owner
+gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
+2.1-2.8x faster than an all-reduce of a zero-padded buffer; a reduce to each
+owner reduces gradients 1.8-3.9x faster than ``reduce_scatter_tensor``. NCCL
+has in-place ``all_gather`` / ``reduce_scatter`` over one padded buffer, which
+is what it is built for.
 """
 
 from __future__ import annotations
