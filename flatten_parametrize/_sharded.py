@@ -83,7 +83,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     backward a flat parameter's ``.grad`` is ``None`` with
     ``shard_gradients=True`` (and the storage keeps no reusable full-size
     gradient memory), the averaged gradient with ``False``. Flat parameters
-    that do not require grad at construction get no slice and no state.
+    that do not require grad at construction get no slice and no state; flat
+    parameters outside ``params`` are neither synced nor stepped. Train in
+    flat mode (the backward must reach the flat parameters), with one
+    ``ShardedOptimizer`` per storage.
 
     Args:
         storage: the flat storage whose flat parameters to optimize.
@@ -112,15 +115,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Example:
         >>> import torch
+        >>> import torch.distributed as dist
         >>> from torch import nn
         >>> from flatten_parametrize import ShardedOptimizer, register_flat_storage
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
         >>> storage = register_flat_storage(model, bucket_cap_mb=25)
-        >>> opt = ShardedOptimizer(storage, torch.optim.AdamW, lr=1e-3)  # doctest: +SKIP
-        >>> model(torch.randn(8, 4)).pow(2).mean().backward()  # doctest: +SKIP
-        >>> norm = opt.clip_grad_norm_(1.0)  # doctest: +SKIP
-        >>> opt.step()  # doctest: +SKIP
-        >>> opt.zero_grad()  # doctest: +SKIP
+        >>> opt = ShardedOptimizer(storage, torch.optim.AdamW, lr=1e-3)
+        >>> model(torch.randn(8, 4)).pow(2).mean().backward()  # gradients reduced here
+        >>> norm = opt.clip_grad_norm_(1.0)
+        >>> opt.step()
+        >>> opt.zero_grad()
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
