@@ -85,8 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gradient memory), the averaged gradient with ``False``. Flat parameters
     that do not require grad at construction get no slice and no state; flat
     parameters outside ``params`` are neither synced nor stepped. Train in
-    flat mode (the backward must reach the flat parameters), with one
-    ``ShardedOptimizer`` per storage.
+    flat mode (the backward must reach the flat parameters); each flat
+    parameter belongs to one ``ShardedOptimizer`` at a time.
 
     Args:
         storage: the flat storage whose flat parameters to optimize.
@@ -110,8 +110,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ValueError: if ``optimizer_class`` is not element-wise, a parameter is
             not a flat parameter of ``storage`` or is listed twice, the ranks'
             layouts differ, or this rank is not in ``process_group``.
-        RuntimeError: if no process group is initialized or the storage's own
-            grad sync is enabled.
+        RuntimeError: if no process group is initialized, the storage's own
+            grad sync is enabled, or another ``ShardedOptimizer`` that still
+            exists optimizes one of the flat parameters.
 
     Example:
         >>> import torch
@@ -149,6 +150,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         check_class(optimizer_class, allow_unlisted)
         groups = param_groups(storage, params)
+        _check_unclaimed(storage, [p for g in groups for p in g["params"]])
         pg, world = _process_group(process_group, "ShardedOptimizer")
         if storage._grad_sync is not None:
             raise RuntimeError(_TWICE)
@@ -255,6 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if shard.hooked is not shard.flat:
                 self._handles.append(shard.flat.register_post_accumulate_grad_hook(_ready_hook(ref)))
                 shard.hooked = shard.flat
+                _CLAIMS[id(shard.flat)] = (weakref.ref(shard.flat), ref)
             if self._shard_gradients:
                 # The storage's reusable full-size gradient memory would keep whole gradients alive.
                 storage._views[shard.g].grad_buffer.keep = 0
@@ -418,6 +421,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
         (group,) = param_groups(storage, [param_group], taken=taken)
+        _check_unclaimed(storage, group["params"])
         new = self._new_shards(storage, group["params"])
         self.local_optimizer.add_param_group({**group, "params": new})
         super().add_param_group(
@@ -642,6 +646,26 @@ _TWICE = (
     "ShardedOptimizer syncs gradients itself, but the storage's grad sync is enabled (each gradient "
     "would be reduced twice); call storage.disable_grad_sync()"
 )
+
+
+#: ``id(flat parameter) -> (flat parameter, its ShardedOptimizer)``, both weakly: who syncs which gradient.
+_CLAIMS: dict[int, tuple[weakref.ref[Tensor], weakref.ref[ShardedOptimizer]]] = {}
+
+
+def _check_unclaimed(storage: FlatStorage, flats: Iterable[Tensor]) -> None:
+    """Refuse flat parameters that another live ``ShardedOptimizer`` syncs (gradients reduced twice)."""
+    for key, (flat_ref, opt_ref) in list(_CLAIMS.items()):
+        if flat_ref() is None or opt_ref() is None:
+            del _CLAIMS[key]
+    for flat in flats:
+        claim = _CLAIMS.get(id(flat))
+        if claim is not None and claim[0]() is flat and flat.requires_grad:
+            name = storage.group_names[next(g for g, f in enumerate(storage.flat_params) if f is flat)]
+            raise RuntimeError(
+                f"ShardedOptimizer: the flat parameter of group {name!r} is already optimized by another "
+                "ShardedOptimizer that still exists (its gradient would be reduced twice); delete that "
+                "optimizer first (del opt), or give each optimizer other flat parameters"
+            )
 
 
 def _ready_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[Tensor], None]:

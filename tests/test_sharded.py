@@ -865,3 +865,20 @@ def test_reentrant_checkpointing_is_refused(world1):
     opt.zero_grad()
     model(x).sum().backward()  # the next backward syncs again
     assert opt.local_optimizer.param_groups[0]["params"][0].grad is not None
+
+
+def test_a_flat_parameter_is_synced_by_one_optimizer_at_a_time(world1):
+    """A second optimizer over the same flat parameter is refused until the first is deleted."""
+    model, storage = _small()
+    first = ShardedOptimizer(storage, torch.optim.SGD, [storage["0"]], lr=0.1)
+    with pytest.raises(RuntimeError, match=r"group '0' is already optimized by another ShardedOptimizer"):
+        ShardedOptimizer(storage, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"already optimized by another"):
+        ShardedOptimizer(storage, torch.optim.SGD, [storage["1"]], lr=0.1).add_param_group(
+            {"params": [storage["0"]]}
+        )
+    second = ShardedOptimizer(storage, torch.optim.Adam, [storage["1"]], lr=0.1)  # other flat parameters
+    del first
+    third = ShardedOptimizer(storage, torch.optim.SGD, [storage["0"]], lr=0.1)
+    _step(model, third)
+    _step(model, second)
