@@ -9,10 +9,11 @@ from torch import nn
 
 from ._flat_parameter import FlatParameter
 from ._grouping import GroupsArg, bucket_groups, resolve_groups
-from ._install import install, uninstall
 from ._layout import plan_group
-from ._names import STORAGE_ATTR
-from ._storage import FlatStorage, _Slot
+from ._names import registered_storage
+from ._records import Slot
+from ._storage import FlatStorage, install_storage, remove_storage
+from ._surgery import zero_padding
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 
@@ -109,18 +110,13 @@ def register_flat_storage(
         specs = bucket_groups(module, specs, bucket_cap_mb)
     flats: list[FlatParameter] = []
     layouts = []
-    slots: list[_Slot] = []
+    slots: list[Slot] = []
     for g, spec in enumerate(specs):
         layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
         first = spec.slots[0].param
         data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
+        zero_padding(data, layout)
         with torch.no_grad():
-            cursor = 0
-            slot_segments = set(layout.segments)
-            for segment, size in enumerate(layout.split_sizes):  # zero the padding only
-                if segment not in slot_segments:
-                    data.narrow(0, cursor, size).zero_()
-                cursor += size
             for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
                 data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
         flats.append(
@@ -134,9 +130,9 @@ def register_flat_storage(
             )
         )
         layouts.append(layout)
-        slots += [_Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
-    storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots, align)
-    install(storage)
+        slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
+    storage = FlatStorage(module, [s.name for s in specs], flats, layouts, slots)
+    install_storage(storage)
     return storage
 
 
@@ -154,7 +150,7 @@ def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
-    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+    return registered_storage(module)
 
 
 def remove_flat_storage(module: nn.Module) -> None:
@@ -191,4 +187,4 @@ def remove_flat_storage(module: nn.Module) -> None:
             f"{type(module).__name__} has no flat storage to remove; pass the module "
             "given to register_flat_storage"
         )
-    uninstall(storage)
+    remove_storage(storage)

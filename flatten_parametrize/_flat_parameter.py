@@ -139,7 +139,7 @@ class FlatParameter(nn.Parameter):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
         if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
+            return memo[id(self)]
         result = FlatParameter(
             self.data.clone(memory_format=torch.preserve_format),
             self.requires_grad,

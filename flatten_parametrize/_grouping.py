@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._flat_parameter import FlatParameter
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_param_name
+from ._names import MODULE_STATE_ATTR, dtype_name, flat_param_name, registered_storage
 
 __all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "bucket_groups", "resolve_groups"]
 
@@ -57,7 +57,7 @@ def _is_item(obj: Any) -> bool:
 def _check_not_flattened(module: nn.Module) -> None:
     for path, sub in module.named_modules(remove_duplicate=False):
         where = f"'{path}'" if path else "the module itself"
-        if STORAGE_ATTR in sub.__dict__:
+        if registered_storage(sub) is not None:
             raise RuntimeError(
                 f"cannot register flat storage: {where} already has one; call "
                 "remove_flat_storage on it first, or use get_flat_storage to reuse it"
@@ -226,7 +226,7 @@ def _check_uniform(group: GroupSpec) -> None:
         ):
             a, b = getattr(first.param, attr), getattr(slot.param, attr)
             if a != b:
-                show = (lambda v: str(v).replace("torch.", "")) if attr == "dtype" else str
+                show = dtype_name if attr == "dtype" else str
                 raise ValueError(
                     f"group '{group.name}' mixes {what}: {first.name} is {show(a)}, "
                     f"{slot.name} is {show(b)}; put them in separate groups or leave "

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ._storage import FlatStorage
+from ._names import alias_label, dtype_name
+from ._records import Coordinator
 
-__all__ = ["storage_repr", "summary_table", "storage_html", "format_bytes"]
+__all__ = ["storage_repr", "summary_table", "storage_html", "format_bytes", "header"]
 
 _COLUMNS = ("name", "group", "offset", "numel", "shape", "dtype")
 _RIGHT = {"offset", "numel"}
@@ -25,16 +24,18 @@ def format_bytes(count: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _dtype(dtype: object) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _rows(storage: FlatStorage) -> list[tuple[str, ...]]:
+def _rows(storage: Coordinator) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for info in storage.param_infos:
-        name = info.name + (f" (= {', '.join(info.aliases)})" if info.aliases else "")
         rows.append(
-            (name, info.group, str(info.offset), str(info.numel), str(tuple(info.shape)), _dtype(info.dtype))
+            (
+                alias_label(info.name, info.aliases),
+                info.group,
+                str(info.offset),
+                str(info.numel),
+                str(tuple(info.shape)),
+                dtype_name(info.dtype),
+            )
         )
     return rows
 
@@ -51,40 +52,45 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return [line(_COLUMNS), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
 
 
-def _group_lines(storage: FlatStorage) -> list[str]:
+def _group_lines(storage: Coordinator) -> list[str]:
     lines = []
-    for name, flat, views in zip(storage._group_names, storage._flat, storage._views):
-        count = len(views.layout.numels)
+    for group in storage.groups():
+        flat, layout = group.flat, group.layout
+        count = len(layout.numels)
         lines.append(
-            f"  group {name!r}: {count} tensor{'s' if count != 1 else ''}, "
+            f"  group {group.name!r}: {count} tensor{'s' if count != 1 else ''}, "
             f"{flat.numel():,} elements ({format_bytes(flat.numel() * flat.element_size())}), "
-            f"{_dtype(flat.dtype)} on {flat.device}, requires_grad={flat.requires_grad}"
-            + (f", padding {views.layout.padding:,}" if views.layout.padding else "")
+            f"{dtype_name(flat.dtype)} on {flat.device}, requires_grad={flat.requires_grad}"
+            + (f", padding {layout.padding:,}" if layout.padding else "")
         )
     return lines
 
 
-def _header(storage: FlatStorage) -> str:
-    module = storage._root_ref()
-    owner = type(module).__name__ if module is not None else "(collected module)"
-    total = sum(f.numel() * f.element_size() for f in storage._flat)
+def header(storage: Coordinator) -> str:
+    """Return the one-line description of ``storage``: module, groups, tensors, bytes, mode."""
+    try:
+        owner = type(storage.module_unchecked).__name__
+    except RuntimeError:
+        owner = "(collected module)"
+    groups = storage.groups()
+    total = sum(g.flat.numel() * g.flat.element_size() for g in groups)
     mode = "flattened" if storage.is_flattened else "unflattened"
     return (
-        f"FlatStorage of {owner}: {len(storage._group_names)} group"
-        f"{'s' if len(storage._group_names) != 1 else ''}, {len(storage._slots)} tensors, "
+        f"FlatStorage of {owner}: {len(groups)} group"
+        f"{'s' if len(groups) != 1 else ''}, {len(storage.slots())} tensors, "
         f"{format_bytes(total)}, {mode}"
     )
 
 
-def summary_table(storage: FlatStorage) -> str:
+def summary_table(storage: Coordinator) -> str:
     """Return the full table of slots as text."""
     return "\n".join(_table(_rows(storage)))
 
 
-def storage_repr(storage: FlatStorage) -> str:
+def storage_repr(storage: Coordinator) -> str:
     """Return a one-screen description: groups, then the first rows of the table."""
     rows = _rows(storage)
-    lines = [_header(storage), *_group_lines(storage)]
+    lines = [header(storage), *_group_lines(storage)]
     if rows:
         shown = _table(rows[:_REPR_ROWS])
         lines += ["  " + line for line in shown]
@@ -93,7 +99,7 @@ def storage_repr(storage: FlatStorage) -> str:
     return "\n".join(lines)
 
 
-def storage_html(storage: FlatStorage) -> str:
+def storage_html(storage: Coordinator) -> str:
     """Return the header, groups and full table as an HTML fragment."""
     esc = html.escape
     head = "".join(f"<th>{esc(c)}</th>" for c in _COLUMNS)
@@ -108,6 +114,6 @@ def storage_html(storage: FlatStorage) -> str:
     )
     groups = "".join(f"<li>{esc(line.strip())}</li>" for line in _group_lines(storage))
     return (
-        f"<div><p><b>{esc(_header(storage))}</b></p><ul>{groups}</ul>"
+        f"<div><p><b>{esc(header(storage))}</b></p><ul>{groups}</ul>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
     )

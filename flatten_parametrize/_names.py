@@ -1,6 +1,11 @@
-"""Names the library adds to modules and state dicts, in one place."""
+"""Names in one place: what the library adds to modules and state dicts, and how it shows dtypes and ties."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
 
 #: Attribute (in ``module.__dict__``) of the module that owns a storage.
 STORAGE_ATTR = "_flat_storage"
@@ -20,3 +25,18 @@ def flat_param_name(group: str) -> str:
 def flat_layout_name(group: str) -> str:
     """Return the state-dict key of ``group``'s layout record."""
     return FLAT_LAYOUT_PREFIX + group
+
+
+def registered_storage(module: nn.Module) -> Any:
+    """Return the flat storage registered on ``module`` (the coordinator), or ``None``."""
+    return module.__dict__.get(STORAGE_ATTR)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the short name of ``dtype``, e.g. ``'float32'``."""
+    return str(dtype).replace("torch.", "")
+
+
+def alias_label(name: str, aliases: tuple[str, ...]) -> str:
+    """Return ``name`` followed by the other names of a tied parameter, for tables and plots."""
+    return name + (f" (= {', '.join(aliases)})" if aliases else "")

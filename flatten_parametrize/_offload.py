@@ -1,7 +1,7 @@
 """File-backed (memory-mapped) flat buffers: weights on disk, pages read on access.
 
 The SSD offload of fairscale's ``FlattenParamsWrapper``, done with the OS's
-memory mapping. :meth:`OffloadMixin.offload_to_disk` writes each flat buffer
+memory mapping. ``FlatStorage.offload_to_disk`` (:meth:`DiskOffload.offload`) writes each flat buffer
 to a file with ordinary writes, maps the file back with
 ``torch.from_file(path, shared=True)`` and swaps the mapping in with
 ``flat.data = mapped``: the flat parameters stay the same objects (optimizers
@@ -11,9 +11,10 @@ through the shared mapping to the file.
 
 Why ordinary writes: pages written *through* a mapping are resident in this
 process until the kernel writes them back and reclaims them, so resident
-memory would not drop. Why ``_refresh_originals()`` after the swap: the
+memory would not drop. Why the originals are refreshed after the swap: the
 original parameter objects and every thread's view cache still point at the
-old RAM buffer and would keep it alive.
+old RAM buffer and would keep it alive (the coordinator's "flat buffer
+replaced" notification, ``flat_buffers_replaced()``, does that).
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from torch import nn
+from ._features import Coordinator, in_flat_mode, storage_of
+from ._names import flat_param_name
+from ._records import Group
 
-    from ._flat_parameter import FlatParameter
-
-__all__ = ["OffloadMixin"]
+__all__ = ["DiskOffload"]
 
 #: Bytes per ``os.write`` call: the write reads the tensor's memory in place,
 #: so peak memory does not grow with the buffer size.
@@ -114,133 +114,92 @@ def _unlink(path: Path) -> None:
         )
 
 
-class OffloadMixin:
-    """``FlatStorage`` methods that re-back the flat buffers by memory-mapped files."""
+class DiskOffload:
+    """The disk-backing feature of a storage: which flat buffers are memory-mapped files.
 
-    #: Group index -> the file backing its flat buffer (``None``: never offloaded).
-    _offload: dict[int, _Backing] | None = None
+    ``FlatStorage.offload_to_disk``, ``load_to_memory``, ``is_offloaded`` and
+    ``offload_files`` delegate here (their docstrings state the semantics).
 
-    if TYPE_CHECKING:
-        _flat: list[FlatParameter]
-        _group_names: list[str]
-        _flattened: bool
+    Args:
+        storage: the coordinator (held weakly).
+    """
 
-        @property
-        def module(self) -> nn.Module: ...
+    def __init__(self, storage: Coordinator) -> None:
+        self._storage_ref = weakref.ref(storage)
+        #: Group index -> the file backing its flat buffer.
+        self._files: dict[int, _Backing] = {}
 
-        def flatten(self) -> None: ...
+    @property
+    def _storage(self) -> Coordinator:
+        return storage_of(self._storage_ref)
 
-        def unflatten(self) -> None: ...
+    # ------------------------------------------------------------- lifecycle
+    def on_rebacked(self) -> None:
+        """Delete the files of groups whose buffer ``module.to()`` & co. replaced."""
+        if not self._files:
+            return
+        backed = self.backed()
+        for g, backing in list(self._files.items()):
+            if g not in backed:
+                del self._files[g]
+                backing.delete()
 
-        def _refresh_originals(self) -> None: ...
+    def on_removed(self) -> None:
+        """Delete every file (``remove_flat_storage``: the values are in RAM by now).
+
+        The detached flat parameters keep their mappings until they are
+        dropped (a deleted file stays readable while mapped).
+        """
+        records, self._files = self._files, {}
+        for backing in records.values():
+            backing.delete()
+
+    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> DiskOffload:
+        """A copy's buffers are in RAM: it has no files."""
+        return DiskOffload(storage)
 
     # ---------------------------------------------------------------- queries
-    def _backed(self) -> dict[int, _Backing]:
+    def backed(self) -> dict[int, _Backing]:
         """Return the groups whose flat buffer still is the mapping of its file."""
+        groups = self._storage.groups()
         return {
             g: backing
-            for g, backing in (self._offload or {}).items()
-            if g < len(self._flat) and _same_storage(self._flat[g], backing.mapped)
+            for g, backing in self._files.items()
+            if g < len(groups) and _same_storage(groups[g].flat, backing.mapped)
         }
 
-    @property
-    def is_offloaded(self) -> bool:
-        """Return whether flat buffers are file-backed (by :meth:`offload_to_disk`).
-
-        ``False`` again after :meth:`load_to_memory`, ``remove_flat_storage``,
-        or a ``module.to()`` that converted or moved the buffers.
-        """
-        return bool(self._backed())
-
-    @property
-    def offload_files(self) -> dict[str, Path]:
-        """Return the file backing each offloaded group's flat buffer, by group name.
-
-        Each file holds the raw bytes of the flat parameter (padding included)
-        in native byte order. Empty when nothing is offloaded.
-        """
-        return {self._group_names[g]: backing.path for g, backing in sorted(self._backed().items())}
+    def files(self) -> dict[str, Path]:
+        """Return the file of each offloaded group, by group name (see ``FlatStorage.offload_files``)."""
+        groups = self._storage.groups()
+        return {groups[g].name: backing.path for g, backing in sorted(self.backed().items())}
 
     # ---------------------------------------------------------------- actions
-    def offload_to_disk(self, directory: str | os.PathLike[str]) -> None:
-        """Move the flat buffers to memory-mapped files in ``directory``, releasing their RAM.
-
-        Each group's buffer is written to its own file (named after the group
-        and a random tag, so several storages can share a directory) with
-        ordinary writes, fsynced, then mapped back with
-        ``torch.from_file(..., shared=True)`` and swapped in as the flat
-        parameter's ``.data``. The flat parameters stay the same objects, so
-        an optimizer built before keeps working. Pages are read from the file
-        on access; in-place updates (optimizer steps, ``load_state_dict``,
-        ``copy_``) write through to the file. Forward, backward and state dicts
-        work as before.
-
-        Gradients and optimizer state stay in RAM. Resident memory drops by the
-        buffers' size only if nothing else holds the old buffers: an autograd
-        graph kept from an earlier forward, a ``state_dict()`` or
-        ``named_views()`` result, or your own views do.
-
-        What moves the weights back to RAM (and deletes the files):
-        :meth:`load_to_memory`, ``remove_flat_storage`` (ordinary parameters
-        in RAM), and a ``module.to()`` / ``.double()`` / ``.cuda()`` that
-        converts or moves a buffer (a no-op ``.to()`` keeps it offloaded).
-        ``copy.deepcopy`` of the module gives a copy in RAM. Calling this again
-        with the same directory offloads only groups that are in RAM.
-
-        Args:
-            directory (str or os.PathLike): an existing, writable directory,
-                ideally on a fast local disk.
-
-        Raises:
-            TypeError: if ``directory`` is not a path.
-            RuntimeError: if a flat buffer is not on the CPU, or the buffers
-                are already offloaded to another directory.
-            FileNotFoundError: if ``directory`` does not exist.
-            NotADirectoryError: if ``directory`` is not a directory.
-            OSError: if the disk has too little free space (``errno.ENOSPC``)
-                or a file cannot be written (``PermissionError`` for a
-                read-only directory). In every case the weights stay in
-                memory, unchanged, and no file is left behind.
-
-        Example:
-            >>> import os, tempfile, torch
-            >>> from torch import nn
-            >>> from flatten_parametrize import register_flat_storage
-            >>> model = nn.Linear(4, 2)
-            >>> storage = register_flat_storage(model)
-            >>> with tempfile.TemporaryDirectory() as directory:
-            ...     storage.offload_to_disk(directory)
-            ...     print(storage.is_offloaded, len(os.listdir(directory)))
-            ...     print(model(torch.ones(1, 4)).shape)
-            ...     storage.load_to_memory()
-            ...     print(storage.is_offloaded, os.listdir(directory))
-            True 1
-            torch.Size([1, 2])
-            False []
-        """
+    def offload(self, directory: str | os.PathLike[str]) -> None:
+        """Move the flat buffers to files in ``directory`` (see ``FlatStorage.offload_to_disk``)."""
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
                 f"offload_to_disk needs a directory path (str or os.PathLike); "
                 f"got {type(directory).__name__}; pass e.g. '/mnt/ssd/weights'"
             )
-        _ = self.module  # raises for a detached storage
-        self._forget_stale_files()
+        storage = self._storage
+        _ = storage.module  # raises for a detached storage
+        self.on_rebacked()  # forget the files of buffers replaced meanwhile
+        groups = storage.groups()
         target = Path(os.path.abspath(os.fspath(directory)))
-        backed = self._backed()
+        backed = self.backed()
         for g, backing in backed.items():
             if backing.path.parent != target:
                 raise RuntimeError(
                     "offload_to_disk keeps the flat buffers in one directory; they are already "
-                    f"offloaded to {backing.path.parent} (group '{self._group_names[g]}') and got "
+                    f"offloaded to {backing.path.parent} (group '{groups[g].name}') and got "
                     f"{target}; call load_to_memory() first to move them to another directory"
                 )
-        todo = [g for g, flat in enumerate(self._flat) if g not in backed and flat.numel() > 0]
-        for g in todo:
-            flat = self._flat[g]
-            if flat.device.type != "cpu":
+        todo = [group for group in groups if group.index not in backed and group.flat.numel() > 0]
+        for group in todo:
+            if group.flat.device.type != "cpu":
                 raise RuntimeError(
                     f"offload_to_disk maps files into CPU memory, so every flat buffer must be on "
-                    f"the CPU; group '{self._group_names[g]}' is on {flat.device}; move the module "
+                    f"the CPU; group '{group.name}' is on {group.flat.device}; move the module "
                     "with module.cpu() first"
                 )
         if not target.exists():
@@ -257,7 +216,7 @@ class OffloadMixin:
             )
         if not todo:
             return
-        needed = sum(self._flat[g].numel() * self._flat[g].element_size() for g in todo)
+        needed = sum(group.flat.numel() * group.flat.element_size() for group in todo)
         free = shutil.disk_usage(target).free
         if needed > free:
             raise OSError(
@@ -266,32 +225,27 @@ class OffloadMixin:
                 "are free; free some space or pass a directory on a larger disk. The weights stay "
                 "in memory",
             )
-        was_flat = self._flattened
-        self.flatten()
-        try:
+        with in_flat_mode(storage):
             backings = self._write_and_map(todo, target)
             # Commit: attribute updates only.
             for g, backing in backings.items():
-                self._flat[g].data = backing.mapped
-            self._offload = {**backed, **backings}
-            self._refresh_originals()  # originals and every thread's views drop the RAM buffers
-        finally:
-            if not was_flat:
-                self.unflatten()
+                groups[g].flat.data = backing.mapped
+            self._files = {**backed, **backings}
+            storage.flat_buffers_replaced()  # originals and every thread's views drop the RAM buffers
 
-    def _write_and_map(self, groups: list[int], target: Path) -> dict[int, _Backing]:
+    def _write_and_map(self, groups: list[Group], target: Path) -> dict[int, _Backing]:
         """Write and map the files of ``groups``; on failure delete them and raise."""
         tag = uuid.uuid4().hex[:12]
         written: list[Path] = []
         backings: dict[int, _Backing] = {}
         try:
-            for g in groups:
-                flat = self._flat[g]
-                path = target / f"flat_param_{self._group_names[g]}.{tag}.bin"
+            for group in groups:
+                flat = group.flat
+                path = target / f"{flat_param_name(group.name)}.{tag}.bin"
                 _write_file(flat, path)
                 written.append(path)
                 mapped = torch.from_file(str(path), shared=True, size=flat.numel(), dtype=flat.dtype)
-                backings[g] = _Backing(path, mapped, weakref.finalize(self, _unlink, path))
+                backings[group.index] = _Backing(path, mapped, weakref.finalize(self, _unlink, path))
         except BaseException as err:
             for backing in backings.values():
                 backing.delete.detach()
@@ -308,54 +262,21 @@ class OffloadMixin:
             raise
         return backings
 
-    def load_to_memory(self, keep_files: bool = False) -> None:
-        """Bring offloaded flat buffers back into RAM.
-
-        The values (including every update made while offloaded) are copied
-        into fresh RAM buffers, swapped in as the flat parameters' ``.data``
-        (the same objects, so optimizers keep working), and the files are
-        deleted. Does nothing if nothing is offloaded.
-
-        Args:
-            keep_files (bool): keep the files (fsynced, holding the current
-                values) instead of deleting them; see :attr:`offload_files`
-                for their paths, read before this call. Default: ``False``.
-
-        Raises:
-            TypeError: if ``keep_files`` is not a bool.
-            RuntimeError: if the RAM for the buffers cannot be allocated; the
-                buffers then stay offloaded, unchanged.
-
-        Example:
-            >>> import tempfile, torch
-            >>> from torch import nn
-            >>> from flatten_parametrize import register_flat_storage
-            >>> model = nn.Linear(4, 2)
-            >>> storage = register_flat_storage(model)
-            >>> with tempfile.TemporaryDirectory() as directory:
-            ...     storage.offload_to_disk(directory)
-            ...     with torch.no_grad():
-            ...         _ = model.bias.fill_(7.0)  # writes through to the file
-            ...     [path] = storage.offload_files.values()
-            ...     storage.load_to_memory(keep_files=True)
-            ...     print(storage.is_offloaded, model.bias.tolist())
-            ...     print(torch.from_file(str(path), size=10)[-2:])
-            False [7.0, 7.0]
-            tensor([7., 7.])
-        """
+    def load(self, keep_files: bool) -> None:
+        """Bring offloaded buffers back into RAM (see ``FlatStorage.load_to_memory``)."""
         if not isinstance(keep_files, bool):
             raise TypeError(
                 f"load_to_memory(keep_files=...) takes a bool; got {type(keep_files).__name__}; "
                 "pass True or False"
             )
-        self._forget_stale_files()
-        backed = self._backed()
+        self.on_rebacked()  # forget the files of buffers replaced meanwhile
+        backed = self.backed()
         if not backed:
             return
-        _ = self.module  # raises for a detached storage
-        was_flat = self._flattened
-        self.flatten()
-        try:
+        storage = self._storage
+        _ = storage.module  # raises for a detached storage
+        groups = storage.groups()
+        with in_flat_mode(storage):
             # Allocate (and flush) first: a failure here leaves everything as it was.
             copies = {g: backing.mapped.clone() for g, backing in backed.items()}
             if keep_files:
@@ -363,35 +284,11 @@ class OffloadMixin:
                     _fsync_file(backing.path)
             # Commit.
             for g, copy in copies.items():
-                self._flat[g].data = copy
-            self._offload = {g: b for g, b in (self._offload or {}).items() if g not in backed}
-            self._refresh_originals()
-        finally:
-            if not was_flat:
-                self.unflatten()
+                groups[g].flat.data = copy
+            self._files = {g: b for g, b in self._files.items() if g not in backed}
+            storage.flat_buffers_replaced()
         for backing in backed.values():
             if keep_files:
                 backing.delete.detach()
             else:
                 backing.delete()
-
-    # -------------------------------------------------- hooks for FlatStorage
-    def _forget_stale_files(self) -> None:
-        """Delete the files of groups whose buffer ``module.to()`` & co. replaced."""
-        if not self._offload:
-            return
-        backed = self._backed()
-        for g, backing in list(self._offload.items()):
-            if g not in backed:
-                del self._offload[g]
-                backing.delete()
-
-    def _release_files(self) -> None:
-        """Delete every offload file (``remove_flat_storage``: the values are in RAM by now).
-
-        The detached flat parameters keep their mappings until they are
-        dropped (a deleted file stays readable while mapped).
-        """
-        records, self._offload = self._offload or {}, None
-        for backing in records.values():
-            backing.delete()

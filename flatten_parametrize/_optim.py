@@ -63,9 +63,10 @@ class _Model:
         """
         storage = self.storage
         root = storage.module
+        groups = storage.groups()
         info_of = {
-            (id(storage._views[slot.group]), slot.index): info
-            for slot, info in zip(storage._slots, self.infos)
+            (id(groups[slot.group_index].views), slot.index): info
+            for slot, info in zip(storage.slots(), self.infos)
         }
         flat_names = {flat_param_name(f.group) for f in self.flats}
         out: list[tuple[str, _Target]] = []
@@ -97,11 +98,9 @@ class _Model:
 
 
 def _shape(target: _Target) -> tuple[int, ...]:
-    if isinstance(target, Tensor):
-        return tuple(target.shape)
     if isinstance(target, _Flat):
         return (target.numel,)
-    return tuple(target.shape)
+    return tuple(target.shape)  # a parameter or a ParamInfo
 
 
 # ------------------------------------------------------------------ state-dict side

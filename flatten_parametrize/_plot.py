@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._storage import FlatStorage
+from ._inspect import header
+from ._names import alias_label, dtype_name
+from ._records import Coordinator
 
 __all__ = ["plot_layout"]
 
@@ -50,7 +51,7 @@ def _gaps(numel: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def plot_layout(
-    storage: FlatStorage,
+    storage: Coordinator,
     *,
     figsize: tuple[float, float] | None = None,
     labels: bool = True,
@@ -94,19 +95,18 @@ def plot_layout(
         group 'b': 2 tensors, 12 elements, float32, padding 5
     """
     figure_class = _matplotlib()
-    from ._inspect import _header
-
-    groups = storage.group_names
+    groups = storage.groups()
     infos = storage.param_infos
     rows = max(len(groups), 1)
     fig = figure_class(figsize=figsize or (10.0, 0.6 + 1.1 * rows), layout="constrained")
-    fig.suptitle(title if title is not None else _header(storage), fontsize=10)
+    fig.suptitle(title if title is not None else header(storage), fontsize=10)
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
     if not groups:
         axes[0].set_axis_off()
         axes[0].text(0.5, 0.5, "no flat parameters", ha="center", va="center")
         return fig
-    for g, (ax, group, flat) in enumerate(zip(axes, groups, storage.flat_params)):
+    for g, (ax, record) in enumerate(zip(axes, groups)):
+        group, flat = record.name, record.flat
         members = [info for info in infos if info.group == group]
         numel = flat.numel()
         dark, light = _SHADES[g % len(_SHADES)]
@@ -125,11 +125,10 @@ def plot_layout(
         if labels:
             for i, info in enumerate(members):
                 if numel and info.numel / numel >= min_label_fraction:
-                    name = info.name + (f" (= {', '.join(info.aliases)})" if info.aliases else "")
                     ax.text(
                         info.offset + info.numel / 2,
                         0.5,
-                        name,
+                        alias_label(info.name, info.aliases),
                         ha="center",
                         va="center",
                         fontsize=7,
@@ -140,7 +139,7 @@ def plot_layout(
         count = len(members)
         ax.set_title(
             f"group '{group}': {count} tensor{'s' if count != 1 else ''}, {numel:,} elements, "
-            f"{str(flat.dtype).replace('torch.', '')}" + (f", padding {pad:,}" if pad else ""),
+            f"{dtype_name(flat.dtype)}" + (f", padding {pad:,}" if pad else ""),
             loc="left",
             fontsize=9,
         )

@@ -152,7 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = param_groups(storage, params)
         _check_unclaimed(storage, [p for g in groups for p in g["params"]])
         pg, world = _process_group(process_group, "ShardedOptimizer")
-        if storage._grad_sync is not None:
+        if storage.grad_sync().state is not None:
             raise RuntimeError(_TWICE)
         self._storage_ref = weakref.ref(storage)
         self._pg, self._world = pg, world
@@ -260,7 +260,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 _CLAIMS[id(shard.flat)] = (weakref.ref(shard.flat), ref)
             if self._shard_gradients:
                 # The storage's reusable full-size gradient memory would keep whole gradients alive.
-                storage._views[shard.g].grad_buffer.keep = 0
+                storage.groups()[shard.g].views.grad_buffer.keep = 0
         self._link_state()
 
     def _link_state(self) -> None:
@@ -302,9 +302,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grad_ready(self, flat: Tensor) -> None:
         """Hook body: ``flat``'s gradient is final for this backward."""
         storage = self._storage_ref()
-        if storage is None or storage._no_sync_depth:
+        if storage is None or storage.grad_sync().no_sync_depth:
             return
-        if storage._grad_sync is not None:
+        if storage.grad_sync().state is not None:
             raise RuntimeError(_TWICE)
         task = _graph_task_id()
         if self._task != task:
@@ -442,7 +442,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self.local_optimizer.zero_grad(set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's slices with the inner optimizer, then gather every slice on every rank.
 
         Args:

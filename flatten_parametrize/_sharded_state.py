@@ -10,8 +10,9 @@ ranges it owns now).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -19,8 +20,34 @@ from ._optim import _check_state_dict
 from ._shard import Shard, all_gather, copy_value, elementwise
 from ._sharded_args import hyperparameters
 
-if TYPE_CHECKING:
-    from ._sharded import ShardedOptimizer
+
+class ShardedOptimizer(Protocol):
+    """What the checkpoint code reads of a ``ShardedOptimizer`` (``_sharded.py`` imports this module)."""
+
+    param_groups: list[dict[str, Any]]
+    local_optimizer: torch.optim.Optimizer
+    _world: int
+    _rank: int
+    _pg: dist.ProcessGroup | None
+    _owners: list[int]
+    _by_owner: bool
+
+    @property
+    def _optimizer_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+
+    @property
+    def _optimizer_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+
+    @property
+    def _optimizer_load_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+
+    @property
+    def _optimizer_load_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+
+    def _shard_of(self, flat: Tensor) -> Shard | None: ...
+
+    def _link_state(self) -> None: ...
+
 
 __all__ = ["SHARDED_FORMAT", "gathered_state_dict", "load_gathered", "load_local_parts", "local_state_dict"]
 
@@ -50,7 +77,7 @@ def gathered_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
 def load_gathered(opt: ShardedOptimizer, state_dict: Mapping[str, Any]) -> None:
     """Give ``opt`` this rank's slices of a gathered (or single-process) state dict."""
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        hooked = pre_hook(opt, state_dict)  # type: ignore[arg-type]
+        hooked = pre_hook(opt, state_dict)
         if hooked is not None:
             state_dict = hooked
     state, groups = _check_state_dict(state_dict, "ShardedOptimizer.load_state_dict()")

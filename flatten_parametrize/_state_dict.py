@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-from ._names import STORAGE_ATTR, flat_layout_name
+from ._names import flat_layout_name, registered_storage
+from ._records import Coordinator, Group, ModuleState, StagedValue
 
-if TYPE_CHECKING:
-    from ._classes import ModuleState
-    from ._storage import FlatStorage
-
-__all__ = ["save_module", "load_module", "layout_record", "StagingSlot"]
+__all__ = [
+    "Snapshot",
+    "StagingSlot",
+    "commit_staged",
+    "layout_record",
+    "load_module",
+    "save_module",
+    "unflatten_flat_form",
+]
 
 _FORMAT = 1
 
@@ -59,11 +65,7 @@ class StagingSlot(nn.Parameter):
 def _staging(view: Tensor, requires_grad: bool) -> StagingSlot:
     slot = torch.Tensor._make_subclass(StagingSlot, view.detach(), requires_grad)
     slot._source = None
-    return slot  # type: ignore[no-any-return]
-
-
-def _root_storage(module: nn.Module) -> FlatStorage | None:
-    return module.__dict__.get(STORAGE_ATTR)  # type: ignore[no-any-return]
+    return slot
 
 
 def save_module(
@@ -80,10 +82,10 @@ def save_module(
         return
     own: OrderedDict[str, Any] = OrderedDict()
     base_save(own, prefix, keep_vars)
-    root = _root_storage(module)
+    root: Coordinator | None = registered_storage(module)
     if root is not None:
-        for name in root._flat_names:
-            own.pop(prefix + name, None)
+        for group in root.groups():
+            own.pop(prefix + group.flat_name, None)
     for name in state.order:
         key = prefix + name
         slot = state.slots.get(name)
@@ -109,7 +111,7 @@ def load_module(
 ) -> None:
     """Load ``module``'s own entries, staging the flattened ones."""
     args = (state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-    root = _root_storage(module)
+    root: Coordinator | None = registered_storage(module)
     if root is not None:
         unflatten_flat_form(root, state_dict, prefix)
     if state is None or not state.storage.is_flattened:
@@ -117,7 +119,7 @@ def load_module(
         return
     params = module._parameters
     saved = list(params.items())
-    hidden = set(root._flat_names) if root is not None else set()
+    hidden = {group.flat_name for group in root.groups()} if root is not None else set()
     staged = {
         name: _staging(group.view(index), group.current().requires_grad)
         for name, (group, index) in state.slots.items()
@@ -134,7 +136,7 @@ def load_module(
             if name not in hidden:
                 params[name] = value
         base_load(*args)
-        loaded = []
+        loaded: list[StagedValue] = []
         for name, placeholder in staged.items():
             current = params.get(name)
             if current is placeholder and type(current) is StagingSlot:
@@ -150,30 +152,24 @@ def load_module(
         for name, value in saved:
             params[name] = kept.pop(name, value)
         params.update(kept)
-    state.storage._stage(loaded)
+    state.storage.stage_loaded(loaded)
 
 
-def layout_record(storage: FlatStorage, group: int) -> Tensor:
+def layout_record(group: Group) -> Tensor:
     """Return the layout record of ``group`` as a uint8 tensor (UTF-8 JSON)."""
-    data = json.dumps(_layout_dict(storage, group), separators=(",", ":")).encode()
+    data = json.dumps(_layout_dict(group), separators=(",", ":")).encode()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def _layout_dict(storage: FlatStorage, group: int) -> dict[str, Any]:
-    views = storage._views[group]
+def _layout_dict(group: Group) -> dict[str, Any]:
+    layout = group.layout
     return {
         "format": _FORMAT,
-        "group": storage._group_names[group],
-        "numel": views.layout.numel,
+        "group": group.name,
+        "numel": layout.numel,
         "slots": [
-            [
-                slot.name,
-                list(slot.aliases),
-                views.layout.offsets[slot.index],
-                list(views.layout.shapes[slot.index]),
-            ]
-            for slot in storage._slots
-            if slot.group == group
+            [slot.name, list(slot.aliases), layout.offsets[slot.index], list(layout.shapes[slot.index])]
+            for slot in group.members
         ],
     }
 
@@ -207,7 +203,7 @@ def _first_difference(expected: dict[str, Any], found: dict[str, Any]) -> str:
     return f"the checkpoint has {len(theirs)} tensors, here {len(ours)}"
 
 
-def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix: str) -> None:
+def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix: str) -> None:
     """Replace the flat entries of ``state_dict`` (in place) by views under the original names.
 
     Raises:
@@ -216,12 +212,13 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
             wrong size.
         TypeError: if a flat entry is not a tensor.
     """
-    index = {prefix + name: g for g, name in enumerate(storage._flat_names)}
-    ours = [k for k in index if k in state_dict]
+    groups = storage.groups()
+    by_key = {prefix + group.flat_name: group for group in groups}
+    ours = [k for k in by_key if k in state_dict]
     if not ours:
         return
     original = next(
-        (prefix + n for s in storage._slots for n in s.all_names if prefix + n in state_dict), None
+        (prefix + n for s in storage.slots() for n in s.all_names if prefix + n in state_dict), None
     )
     if original is not None:
         raise ValueError(
@@ -230,8 +227,8 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
             "or storage.flat_state_dict()"
         )
     for key in ours:
-        group = index[key]
-        gname = storage._group_names[group]
+        group = by_key[key]
+        gname = group.name
         record_key = prefix + flat_layout_name(gname)
         flat = state_dict[key]
         if not isinstance(flat, Tensor):
@@ -242,7 +239,7 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
                 "so it cannot be checked against this layout; write flat checkpoints with "
                 "storage.flat_state_dict(), or load the unflattened form"
             )
-        expected = _layout_dict(storage, group)
+        expected = _layout_dict(group)
         found = _read_record(state_dict[record_key], record_key)
         if found.get("numel") != expected["numel"] or found.get("slots") != expected["slots"]:
             raise ValueError(
@@ -250,21 +247,20 @@ def unflatten_flat_form(storage: FlatStorage, state_dict: dict[str, Any], prefix
                 f"{_first_difference(expected, found)}; load the unflattened form "
                 "(module.state_dict()) instead, or register with the same groups and align"
             )
-        numel = storage._views[group].layout.numel
+        numel = group.layout.numel
         if flat.shape != (numel,):
             raise ValueError(
                 f"flat state dict entry '{key}' has shape {tuple(flat.shape)}; group "
                 f"'{gname}' needs a one-dimensional tensor of {numel} elements"
             )
     for key in ours:
-        group = index[key]
+        group = by_key[key]
         flat = state_dict.pop(key)
-        state_dict.pop(prefix + flat_layout_name(storage._group_names[group]))
-        views = storage._views[group].split(flat)
-        for slot in storage._slots:
-            if slot.group == group:
-                for name in slot.all_names:
-                    state_dict[prefix + name] = views[slot.index]
+        state_dict.pop(prefix + flat_layout_name(group.name))
+        views = group.split(flat)
+        for slot in group.members:
+            for name in slot.all_names:
+                state_dict[prefix + name] = views[slot.index]
 
 
 class Snapshot:
@@ -296,3 +292,24 @@ class Snapshot:
             for tensor, value in self._values.values():
                 if tensor.shape == value.shape:
                     tensor.copy_(value)
+
+
+def commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
+    """Write staged values into the flat buffers with one native call.
+
+    Everything that can fail (casts, device moves, allocation) happens
+    before that call, and a single call cannot be interrupted half-way by
+    a Python exception, so the commit needs no copy of the old values.
+    """
+    if not loaded:
+        return
+    with torch.no_grad():
+        splits = {id(group.views): group.value_views() for group in groups}
+        targets, sources = [], []
+        for views, index, source in loaded:
+            target = splits[id(views)][index]
+            if source.dtype != target.dtype or source.device != target.device:
+                source = source.to(dtype=target.dtype, device=target.device)
+            targets.append(target)
+            sources.append(source)
+        torch._foreach_copy_(targets, sources)

@@ -1,88 +1,55 @@
-"""``FlatStorage``: the coordinator that owns the flat buffers of one module."""
+"""``FlatStorage``: the coordinator that owns the flat buffers of one module.
+
+It holds the state (group records, slot records, mode) and composes its
+features (``GradSync``, ``DiskOffload``, ``Functional``; see ``_features.py``);
+the changes to the module tree are done by ``_surgery.py``, state-dict work by
+``_state_dict.py``, inspection by ``_inspect.py`` and ``_plot.py``. Those
+modules read the coordinator through its internal read API
+(:meth:`FlatStorage.groups`, :meth:`FlatStorage.slots`) and never import it.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
 from torch import Tensor, nn
 
-from ._distributed import DistributedMixin
-from ._flat_parameter import FlatParameter, _as_flat_parameter
-from ._functional import FunctionalMixin
+from . import _surgery as surgery
+from ._distributed import GradSync
+from ._features import Feature, in_flat_mode
+from ._flat_parameter import FlatParameter
+from ._functional import Functional, StackedTensors
+from ._inspect import storage_html, storage_repr, summary_table
 from ._layout import GroupLayout
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, flat_layout_name, flat_param_name
-from ._offload import OffloadMixin
+from ._names import flat_layout_name, flat_param_name, registered_storage
+from ._offload import DiskOffload
 from ._per_group import per_group
-from ._state_dict import Snapshot, layout_record
+from ._plot import plot_layout
+from ._records import Group, ParamInfo, Slot, StagedValue
+from ._state_dict import Snapshot, commit_staged, layout_record
 from ._transaction import Transaction, atomically
-from ._views import GroupViews, same_memory
+from ._view_cache import GroupViews, same_memory
 
-__all__ = ["FlatStorage", "ParamInfo", "FlatTensors"]
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+__all__ = ["FlatStorage", "ParamInfo", "FlatTensors", "install_storage", "remove_storage"]
 
 #: One tensor per group: a list in group order, a dict by group name, or (for a
 #: storage with one group) a single tensor.
 FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    """Where one flattened parameter lives.
-
-    Attributes:
-        name: qualified name, relative to the registered module.
-        aliases: the other names of a tied parameter (empty if not tied).
-        group: name of the group whose flat buffer holds it.
-        offset: element offset in that buffer.
-        numel: number of elements.
-        shape: shape of the parameter.
-        dtype: dtype of the buffer.
-    """
-
-    name: str
-    aliases: tuple[str, ...]
-    group: str
-    offset: int
-    numel: int
-    shape: torch.Size
-    dtype: torch.dtype
-
-
-@dataclass
-class _Slot:
-    name: str
-    aliases: tuple[str, ...]
-    group: int
-    index: int
-    param: nn.Parameter
-
-    @property
-    def all_names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
-
-
-def _locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, str]:
-    path, _, attr = qualified.rpartition(".")
-    return modules[path], attr
-
-
-def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
-    """Put the keys of ``params`` in ``order`` (unknown keys last), keeping the dict object."""
-    items = dict(params)
-    params.clear()
-    for name in order:
-        if name in items:
-            params[name] = items.pop(name)
-    params.update(items)
-
-
-class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
+class FlatStorage:
     """The coordinator of a module's flat parameters, returned by ``register_flat_storage``.
 
     It owns one :class:`FlatParameter` per group (registered on the module as
@@ -107,22 +74,32 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         group_names: Sequence[str],
         flats: Sequence[FlatParameter],
         layouts: Sequence[GroupLayout],
-        slots: Sequence[_Slot],
-        align: int,
+        slots: Sequence[Slot],
     ) -> None:
         self._root_ref = weakref.ref(module)
-        self._group_names = list(group_names)
-        self._flat_names = [flat_param_name(g) for g in group_names]
-        self._flat = list(flats)
-        self._views = [
-            GroupViews(module._parameters, name, layout) for name, layout in zip(self._flat_names, layouts)
-        ]
-        self._slots = list(slots)
-        self._align = align
+        self._slots = tuple(slots)
+        groups = []
+        for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
+            flat_name = flat_param_name(name)
+            members = tuple(slot for slot in self._slots if slot.group_index == index)
+            views = GroupViews(module._parameters, flat_name, layout)
+            groups.append(Group(index, name, flat_name, layout, views, flat, members))
+        self._groups = tuple(groups)
         self._flattened = True
-        self._using = 0
-        self._pending: list[tuple[GroupViews, int, Tensor]] | None = None
-        self._hooks: list[int] = []
+        #: Depth of nested ``using()`` blocks.
+        self._using_depth = 0
+        #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
+        self._pending: list[StagedValue] | None = None
+        self._grad_sync = GradSync(self)
+        self._disk = DiskOffload(self)
+        self._functional = Functional(self)
+        #: Features added after registration (``add_feature``).
+        self._added: list[Feature] = []
+
+    @property
+    def _features(self) -> tuple[Feature, ...]:
+        """Every feature, in the order the lifecycle notifies them."""
+        return (self._disk, self._grad_sync, self._functional, *self._added)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -133,7 +110,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             RuntimeError: if the module was garbage collected or the storage removed.
         """
         module = self._root_ref()
-        if module is None or module.__dict__.get(STORAGE_ATTR) is not self:
+        if module is None or registered_storage(module) is not self:
             raise RuntimeError(
                 "this flat storage is detached: its module was garbage collected or "
                 "remove_flat_storage was called; use get_flat_storage(module) for the current one"
@@ -143,12 +120,33 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
     @property
     def flat_params(self) -> list[FlatParameter]:
         """Return the flat parameters, one per group, in group order."""
-        return list(self._flat)
+        return [group.flat for group in self._groups]
 
     @property
     def group_names(self) -> list[str]:
         """Return the group names, in group order."""
-        return list(self._group_names)
+        return [group.name for group in self._groups]
+
+    # --------------------------------------------------- internal read API
+    def groups(self) -> tuple[Group, ...]:
+        """Return the record of each group, in group order (internal read API of the library)."""
+        return self._groups
+
+    def slots(self) -> tuple[Slot, ...]:
+        """Return the record of each flattened slot, in group and layout order (internal read API)."""
+        return self._slots
+
+    def grad_sync(self) -> GradSync:
+        """Return the data-parallel feature: ``state`` (``None``: sync off), ``no_sync_depth`` (internal)."""
+        return self._grad_sync
+
+    def add_feature(self, feature: Feature) -> None:
+        """Have the coordinator drive ``feature``'s lifecycle (internal: see ``_features.py``)."""
+        self._added.append(feature)
+
+    def remove_feature(self, feature: Feature) -> None:
+        """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
+        self._added = [f for f in self._added if f is not feature]
 
     def __getitem__(self, group: str) -> FlatParameter:
         """Return the flat parameter of ``group``.
@@ -160,17 +158,15 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         if not isinstance(group, str):
             raise TypeError(
                 f"flat storage groups are named by str; got {type(group).__name__} {group!r}; "
-                f"groups are {self._group_names}"
+                f"groups are {self.group_names}"
             )
-        try:
-            return self._flat[self._group_names.index(group)]
-        except ValueError:
-            raise KeyError(
-                f"no group {group!r} in this flat storage; groups are {self._group_names}"
-            ) from None
+        for record in self._groups:
+            if record.name == group:
+                return record.flat
+        raise KeyError(f"no group {group!r} in this flat storage; groups are {self.group_names}")
 
     def __len__(self) -> int:
-        return len(self._group_names)
+        return len(self._groups)
 
     @property
     def param_infos(self) -> list[ParamInfo]:
@@ -179,13 +175,14 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             ParamInfo(
                 name=slot.name,
                 aliases=slot.aliases,
-                group=self._group_names[slot.group],
-                offset=self._views[slot.group].layout.offsets[slot.index],
-                numel=self._views[slot.group].layout.numels[slot.index],
-                shape=torch.Size(self._views[slot.group].layout.shapes[slot.index]),
-                dtype=self._flat[slot.group].dtype,
+                group=group.name,
+                offset=group.layout.offsets[slot.index],
+                numel=group.layout.numels[slot.index],
+                shape=torch.Size(group.layout.shapes[slot.index]),
+                dtype=group.flat.dtype,
             )
-            for slot in self._slots
+            for group in self._groups
+            for slot in group.members
         ]
 
     @property
@@ -194,10 +191,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         return self._flattened
 
     # ------------------------------------------------------------------- views
-    def _modules(self) -> dict[str, nn.Module]:
-        return dict(self.module.named_modules(remove_duplicate=False))
-
-    def _names(self, slot: _Slot, remove_duplicate: bool) -> tuple[str, ...]:
+    def _names(self, slot: Slot, remove_duplicate: bool) -> tuple[str, ...]:
         return (slot.name,) if remove_duplicate else slot.all_names
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
@@ -219,10 +213,10 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
             [('weight', (3, 2)), ('bias', (3,))]
         """
-        modules = self._modules()
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
             for name in self._names(slot, remove_duplicate):
-                owner, attr = _locate(modules, name)
+                owner, attr = surgery.locate(modules, name)
                 yield name, getattr(owner, attr)
 
     def named_grads(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor | None]]:
@@ -246,16 +240,16 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             for name, param in self.named_views(remove_duplicate):
                 yield name, param.grad
             return
-        grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
+        grads = [group.grad_views() for group in self._groups]
         for slot in self._slots:
-            split = grads[slot.group]
+            split = grads[slot.group_index]
             for name in self._names(slot, remove_duplicate):
                 yield name, None if split is None else split[slot.index]
 
     def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
-        groups = self._group_names
+        groups = self.group_names
         items = per_group(tensors, groups, what, "tensor", "flat-shaped tensor")
-        for group, item, flat in zip(groups, items, self._flat):
+        for group, item, flat in zip(groups, items, self.flat_params):
             if item.shape != flat.shape:
                 raise ValueError(
                     f"{what}: group '{group}' needs a one-dimensional tensor of "
@@ -299,51 +293,14 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             {'weight': (3, 2), 'bias': (3,)}
         """
         items = self._per_group(tensors, "views_of()", exact=False)
-        splits = [views.split(t) for views, t in zip(self._views, items)]
+        splits = [group.split(t) for group, t in zip(self._groups, items)]
         return {
-            name: splits[slot.group][slot.index]
+            name: splits[slot.group_index][slot.index]
             for slot in self._slots
             for name in self._names(slot, remove_duplicate)
         }
 
     # ------------------------------------------------------------ mode toggles
-    def _current_params(self, modules: dict[str, nn.Module]) -> list[nn.Parameter]:
-        """Return the parameter each slot holds in unflattened mode, after checking it."""
-        current = []
-        for slot in self._slots:
-            found: list[Any] = []
-            shape = self._views[slot.group].layout.shapes[slot.index]
-            for name in slot.all_names:
-                owner, attr = _locate(modules, name)
-                param = owner._parameters.get(attr)
-                if not isinstance(param, Tensor):
-                    raise RuntimeError(
-                        f"cannot flatten: {name} is {type(param).__name__}, not a parameter; "
-                        "assign an nn.Parameter of its shape before flattening"
-                    )
-                if tuple(param.shape) != shape:
-                    raise RuntimeError(
-                        f"cannot flatten: {name} has shape {tuple(param.shape)} but its slot "
-                        f"in the flat storage holds {shape}; assign a parameter of shape {shape}"
-                    )
-                flat = self._flat[slot.group]
-                for what, tensor in (("its value", param), ("its gradient", param.grad)):
-                    if tensor is not None and tensor.is_meta and not flat.is_meta:
-                        raise RuntimeError(
-                            f"cannot flatten: {what} of {name} is on the meta device and holds "
-                            f"no data to write into group '{self._group_names[slot.group]}'; "
-                            "assign a parameter with values (or load a state dict) first"
-                        )
-                if found and param is not found[0]:
-                    raise RuntimeError(
-                        f"cannot flatten: tied parameter {slot.name} and {name} were "
-                        "reassigned separately and no longer share one tensor; assign the "
-                        "same nn.Parameter to every name of a tied parameter"
-                    )
-                found.append(param)
-            current.append(found[0])
-        return current
-
     def flatten(self) -> None:
         """Switch to flat mode: attributes become views of the flat buffers again.
 
@@ -372,51 +329,9 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         """Flatten as part of ``tx`` (a no-op in flat mode)."""
         if self._flattened:
             return
-        root = self.module
-        modules = self._modules()
-        current = self._current_params(modules)
-        groups = [
-            [(slot, current[i]) for i, slot in enumerate(self._slots) if slot.group == g]
-            for g in range(len(self._flat))
-        ]
-        new_grads: list[Tensor | None] = []
-        for flat, views, members in zip(self._flat, self._views, groups):
-            grads = [param.grad for _, param in members]
-            if all(grad is None for grad in grads):
-                new_grads.append(None)
-                continue
-            flat_grad = flat.grad
-            fresh = flat_grad is None
-            if flat_grad is None:
-                flat_grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-            targets = views.split(flat_grad)
-            for (slot, _), grad in zip(members, grads):
-                target = targets[slot.index]
-                if fresh and grad is not None:
-                    target.copy_(grad)  # a new buffer: nothing to undo
-                elif not fresh and (grad is None or not same_memory(grad, target)):
-                    tx.write(target, grad)
-            new_grads.append(flat_grad)
-        for flat, views, members in zip(self._flat, self._views, groups):
-            targets = views.split(flat.detach())
-            for slot, param in members:
-                if not same_memory(param, targets[slot.index]):
-                    tx.write(targets[slot.index], param.detach())
-        for flat, grad in zip(self._flat, new_grads):
-            tx.set_attr(flat, "grad", grad)
-        for i, slot in enumerate(self._slots):
-            param = current[i]
-            tx.set_attr(param, "grad", None)
-            tx.set_attr(slot, "param", param)
-            for name in slot.all_names:
-                owner, attr = _locate(modules, name)
-                tx.keep_dict(owner._parameters)
-                owner._parameters.pop(attr, None)
-        tx.keep_dict(root._parameters)
-        for name, flat in zip(self._flat_names, self._flat):
-            root._parameters[name] = flat
+        surgery.flatten_module(self, tx)
         tx.set_attr(self, "_flattened", True)
-        self._refresh_originals(tx)
+        surgery.refresh_originals(self._groups, self._slots, tx)
 
     def unflatten(self) -> None:
         """Switch to unflattened mode: every attribute is a real leaf ``nn.Parameter``.
@@ -440,7 +355,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         """
         if not self._flattened:
             return
-        if self._using:
+        if self._using_depth:
             raise RuntimeError(
                 "cannot unflatten inside storage.using(...): the views are served from the "
                 "given tensors; leave the using() block first"
@@ -449,26 +364,7 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         self._invalidate()
 
     def _unflatten(self, tx: Transaction) -> None:
-        root = self.module
-        modules = self._modules()
-        self._refresh_originals(tx)
-        grads = [None if f.grad is None else v.split(f.grad) for f, v in zip(self._flat, self._views)]
-        for slot in self._slots:
-            flat, split = self._flat[slot.group], grads[slot.group]
-            tx.set_attr(slot.param, "requires_grad", flat.requires_grad)
-            tx.set_attr(slot.param, "grad", None if split is None else split[slot.index])
-        tx.keep_dict(root._parameters)
-        for name in self._flat_names:
-            root._parameters.pop(name, None)
-        touched = {}
-        for slot in self._slots:
-            for name in slot.all_names:
-                owner, attr = _locate(modules, name)
-                tx.keep_dict(owner._parameters)
-                owner._parameters[attr] = slot.param
-                touched[id(owner)] = owner
-        for owner in touched.values():
-            _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)
+        surgery.unflatten_module(self, tx)
         tx.set_attr(self, "_flattened", False)
 
     @contextmanager
@@ -531,76 +427,58 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             )
         items = [t.contiguous() for t in self._per_group(flat_tensors, "using()", exact=True)]
         params: dict[str, Any] = self.module._parameters
-        saved = [params[name] for name in self._flat_names]
-        for name, tensor in zip(self._flat_names, items):
+        flat_names = [group.flat_name for group in self._groups]
+        saved = [params[name] for name in flat_names]
+        for name, tensor in zip(flat_names, items):
             params[name] = tensor
-        self._using += 1
+        self._using_depth += 1
         try:
             yield self
         finally:
-            for name, tensor in zip(self._flat_names, saved):
+            for name, tensor in zip(flat_names, saved):
                 params[name] = tensor
-            self._using -= 1
+            self._using_depth -= 1
             self._invalidate()
 
     # ------------------------------------------------------------- internals
     def _invalidate(self) -> None:
-        for views in self._views:
-            views.invalidate()
+        surgery.invalidate(self._groups)
 
-    def _refresh_originals(self, tx: Transaction | None = None) -> None:
-        """Point the original parameter objects at their slots (frees any old buffer)."""
-        tx = tx if tx is not None else Transaction()
-        with torch.no_grad():
-            splits = [views.split(flat.detach()) for flat, views in zip(self._flat, self._views)]
-        for slot in self._slots:
-            target = splits[slot.group][slot.index]
-            if same_memory(slot.param, target):
-                continue
-            if torch._has_compatible_shallow_copy_type(slot.param, target):
-                tx.set_attr(slot.param, "data", target)
-            else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
-                tx.swap_tensors(slot.param, nn.Parameter(target, requires_grad=slot.param.requires_grad))
-        self._invalidate()
+    def flat_buffers_replaced(self) -> None:
+        """Re-point the originals and views after flat buffers were swapped; notify every feature.
 
-    def _zero_padding(self) -> None:
-        with torch.no_grad():
-            for flat, views in zip(self._flat, self._views):
-                layout = views.layout
-                if layout.padding and not flat.is_meta:
-                    slot_segments = set(layout.segments)
-                    chunks = flat.detach().split(layout.split_sizes)
-                    for segment, chunk in enumerate(chunks):
-                        if segment not in slot_segments:
-                            chunk.zero_()
-
-    def _layout_of(self, group: int) -> dict[str, Any]:
-        layout = self._views[group].layout
-        members = [slot for slot in self._slots if slot.group == group]
-        return {
-            "names": [slot.name for slot in members],
-            "shapes": [layout.shapes[slot.index] for slot in members],
-            "numels": [layout.numels[slot.index] for slot in members],
-            "offsets": [layout.offsets[slot.index] for slot in members],
-        }
+        The "flat buffer replaced" notification: features call it after they
+        swap a flat parameter's ``.data`` (the disk backing does), and the
+        coordinator runs it after ``module.to()`` & co. re-back or replace the
+        flat parameters.
+        """
+        surgery.refresh_originals(self._groups, self._slots)
+        for feature in self._features:
+            feature.on_rebacked()
 
     def _adopt_flat_params(self) -> None:
         """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
-        params = self.module._parameters
-        for g, name in enumerate(self._flat_names):
-            param = params.get(name)
-            if isinstance(param, Tensor) and (param is not self._flat[g] or type(param) is not FlatParameter):
-                flat = _as_flat_parameter(param, **self._layout_of(g))
-                params[name] = self._flat[g] = flat
-        self._zero_padding()  # e.g. to_empty() leaves garbage there
-        self._refresh_originals()
-        self._forget_stale_files()  # a converted or moved buffer left its offload file
+        root = self.module
+        for group in self._groups:
+            flat = surgery.rewrap_flat_param(root, group)
+            if flat is not group.flat:
+                self._set_group(dataclasses.replace(group, flat=flat))
+        for group in self._groups:
+            surgery.zero_padding(group.flat, group.layout)  # e.g. to_empty() leaves garbage there
+        self.flat_buffers_replaced()  # a converted or moved buffer left its offload file, say
 
-    def _apply(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
-        if self._using:
+    def _set_group(self, group: Group) -> None:
+        groups = list(self._groups)
+        groups[group.index] = group
+        self._groups = tuple(groups)
+
+    def apply_via(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
+        """Run the module's ``_apply`` (``base``) in flat mode, then re-adopt the flat parameters.
+
+        Internal: the root module's injected ``_apply`` calls it.
+        """
+        if self._using_depth:
             raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
-        was_flat = self._flattened
-        self.flatten()
 
         def convert(tensor: Tensor) -> Any:
             # A no-op conversion returns the FlatParameter itself, which torch cannot
@@ -608,49 +486,35 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             out = fn(tensor)
             return out.detach() if type(out) is FlatParameter else out
 
-        try:
-            return base(convert, recurse)
-        finally:
-            self._adopt_flat_params()
-            if not was_flat:
-                self.unflatten()
+        with in_flat_mode(self):
+            try:
+                return base(convert, recurse)
+            finally:
+                self._adopt_flat_params()
 
-    def _stage(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
+    def stage_loaded(self, loaded: list[StagedValue]) -> None:
+        """Take values read by a module's ``_load_from_state_dict``: staged during a load, else written.
+
+        Internal: ``_state_dict.load_module`` calls it.
+        """
         if self._pending is not None:
             self._pending.extend(loaded)
         else:
-            self._commit(loaded)
+            commit_staged(self._groups, loaded)
 
-    def _commit(self, loaded: list[tuple[GroupViews, int, Tensor]]) -> None:
-        """Write staged values into the flat buffers with one native call.
+    def load_via(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
+        """Load through torch's machinery (``base``), then commit the staged slots: all or nothing.
 
-        Everything that can fail (casts, device moves, allocation) happens
-        before that call, and a single call cannot be interrupted half-way by
-        a Python exception, so the commit needs no copy of the old values.
+        Internal: the root module's injected ``load_state_dict`` calls it.
         """
-        if not loaded:
-            return
-        with torch.no_grad():
-            splits = {id(v): v.split(f.detach()) for f, v in zip(self._flat, self._views)}
-            targets, sources = [], []
-            for views, index, source in loaded:
-                target = splits[id(views)][index]
-                if source.dtype != target.dtype or source.device != target.device:
-                    source = source.to(dtype=target.dtype, device=target.device)
-                targets.append(target)
-                sources.append(source)
-            torch._foreach_copy_(targets, sources)
-
-    def _load_state_dict(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
-        """Load through torch's machinery, then commit the staged slots: all or nothing."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         flat_mode = self._flattened
-        snapshot = Snapshot(self.module, set(map(id, self._flat)) if flat_mode else set())
+        snapshot = Snapshot(self.module, {id(group.flat) for group in self._groups} if flat_mode else set())
         self._pending = [] if flat_mode else None
         try:
             result = base(state_dict, strict=strict, assign=assign)
-            self._commit(self._pending or [])
+            commit_staged(self._groups, self._pending or [])
         except BaseException:
             snapshot.restore()
             raise
@@ -679,29 +543,28 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         plain = self.module.state_dict()
         out: OrderedDict[str, Any] = OrderedDict()
         out._metadata = getattr(plain, "_metadata", OrderedDict())  # type: ignore[attr-defined]
-        for g, group in enumerate(self._group_names):
-            out[flat_param_name(group)] = self._current_flat(g, plain)
-            out[flat_layout_name(group)] = layout_record(self, g)
+        for group in self._groups:
+            out[group.flat_name] = self._current_flat(group, plain)
+            out[flat_layout_name(group.name)] = layout_record(group)
         flattened = {name for slot in self._slots for name in slot.all_names}
         for key, value in plain.items():
             if key not in flattened:
                 out[key] = value
         return out
 
-    def _current_flat(self, group: int, plain: Mapping[str, Tensor]) -> Tensor:
+    def _current_flat(self, group: Group, plain: Mapping[str, Tensor]) -> Tensor:
         """Return group's values as one tensor: the flat buffer, or a synced copy if unflattened
         parameters were reassigned (without changing anything)."""
-        flat = self._flat[group].detach()
+        flat = group.flat.detach()
         if self._flattened:
             return flat
-        targets = self._views[group].split(flat)
-        members = [slot for slot in self._slots if slot.group == group]
-        stale = [s for s in members if not same_memory(plain[s.name], targets[s.index])]
+        targets = group.split(flat)
+        stale = [s for s in group.members if not same_memory(plain[s.name], targets[s.index])]
         if not stale:
             return flat
         with torch.no_grad():
             synced = flat.clone()
-            synced_targets = self._views[group].split(synced)
+            synced_targets = group.split(synced)
             for slot in stale:
                 synced_targets[slot.index].copy_(plain[slot.name])
         return synced
@@ -720,35 +583,44 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         root = self._root_ref()
         new_root: nn.Module | None = memo.get(id(root), root)
         new._root_ref = weakref.ref(new_root) if new_root is not None else self._root_ref
-        new._group_names = list(self._group_names)
-        new._flat_names = list(self._flat_names)
-        new._views = copy.deepcopy(self._views, memo)
-        new._flat = [copy.deepcopy(f, memo) for f in self._flat]
-        new._slots = [
-            _Slot(
+        views = [copy.deepcopy(group.views, memo) for group in self._groups]
+        flats = [copy.deepcopy(group.flat, memo) for group in self._groups]
+        new._slots = tuple(
+            Slot(
                 s.name,
                 s.aliases,
-                s.group,
+                s.group_index,
                 s.index,
                 memo[id(s.param)] if id(s.param) in memo else _placeholder(s.param),
             )
             for s in self._slots
-        ]
-        new._align = self._align
+        )
+        new._groups = tuple(
+            dataclasses.replace(
+                group,
+                views=views[group.index],
+                flat=flats[group.index],
+                members=tuple(slot for slot in new._slots if slot.group_index == group.index),
+            )
+            for group in self._groups
+        )
         new._flattened = self._flattened
-        new._using = 0
+        new._using_depth = 0
         new._pending = None
-        new._hooks = list(self._hooks)
+        new._grad_sync = self._grad_sync.copy_for(new, memo)
+        new._disk = self._disk.copy_for(new, memo)
+        new._functional = self._functional.copy_for(new, memo)
+        new._added = [c for f in self._added if (c := f.copy_for(new, memo)) is not None]
         return new
 
     def __getstate__(self) -> None:
+        # Pickling the whole model would rebuild the coordinator here and give it its
+        # features' state as deepcopy does (``Feature.copy_for``).
         raise RuntimeError(
             "a FlatStorage cannot be pickled; save module.state_dict() or storage.flat_state_dict() instead"
         )
 
     def __repr__(self) -> str:
-        from ._inspect import storage_repr
-
         return storage_repr(self)
 
     def summary(self) -> str:
@@ -764,13 +636,9 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
             weight  0           0      6  (3, 2)  float32
             bias    0           6      3  (3,)    float32
         """
-        from ._inspect import summary_table
-
         return summary_table(self)
 
     def _repr_html_(self) -> str:
-        from ._inspect import storage_html
-
         return storage_html(self)
 
     def plot_layout(self, **kwargs: Any) -> Any:
@@ -781,10 +649,371 @@ class FlatStorage(DistributedMixin, OffloadMixin, FunctionalMixin):
         Returns:
             A ``matplotlib.figure.Figure``.
         """
-        from ._plot import plot_layout
-
         return plot_layout(self, **kwargs)
+
+    # ------------------------------------------------ data parallel (GradSync)
+    def all_reduce_grads(self, group: dist.ProcessGroup | None = None, op: str = "mean") -> None:
+        """All-reduce the gradient of every flat parameter across ranks, one collective per group.
+
+        Call it on every rank of ``group`` after backward (instead of, or
+        without, :meth:`enable_grad_sync`). Groups whose flat parameter does
+        not require grad are skipped; one that requires grad but has no
+        ``.grad`` on this rank contributes zeros and receives the result, so
+        every rank issues the same collectives. In unflattened mode the
+        parameters' gradients are written to the flat buffers first and are
+        views of the reduced gradients afterwards.
+
+        Args:
+            group (ProcessGroup, optional): the ranks to reduce over.
+                Default: ``None``, the default process group.
+            op (str): ``"mean"`` (average over ranks, as DDP does) or ``"sum"``.
+                Default: ``"mean"``.
+
+        Raises:
+            TypeError: if ``op`` is not a str or ``group`` not a process group.
+            ValueError: if ``op`` is not one of ``"mean"``, ``"sum"``, or this
+                rank is not a member of ``group``.
+            RuntimeError: if no default process group is initialized.
+
+        Example:
+            >>> import torch
+            >>> import torch.distributed as dist
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",
+            ...                         rank=0, world_size=1)  # doctest: +SKIP
+            >>> layer = nn.Linear(2, 1)
+            >>> storage = register_flat_storage(layer)
+            >>> layer(torch.ones(1, 2)).sum().backward()
+            >>> storage.all_reduce_grads()  # doctest: +SKIP
+            >>> storage["0"].grad  # doctest: +SKIP
+            tensor([1., 1., 1.])
+        """
+        self._grad_sync.all_reduce(group, op)
+
+    def broadcast_params(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        """Copy the flat parameters of rank ``src`` to every rank, one collective per group.
+
+        Use it once after building the model so that every rank starts from
+        the same weights (DDP does this in its constructor). Every group is
+        broadcast, frozen ones included; buffers (e.g. BatchNorm running
+        statistics) are not part of the flat storage and are left alone.
+
+        Args:
+            src (int): global rank whose values every rank receives. Default: ``0``.
+            group (ProcessGroup, optional): the ranks to broadcast to.
+                Default: ``None``, the default process group.
+
+        Raises:
+            TypeError: if ``src`` is not an int or ``group`` not a process group.
+            ValueError: if ``src`` is not a rank of ``group``, or this rank is
+                not a member of ``group``.
+            RuntimeError: if no default process group is initialized.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> storage = register_flat_storage(nn.Linear(2, 1))
+            >>> storage.broadcast_params(src=0)  # doctest: +SKIP
+        """
+        self._grad_sync.broadcast(src, group)
+
+    def enable_grad_sync(self, group: dist.ProcessGroup | None = None) -> None:
+        """Average every flat gradient across ranks during each backward, as DDP does.
+
+        Once enabled, every flat gradient is averaged over ``group`` by the
+        time ``loss.backward()`` returns. The collective of a group starts as
+        soon as its flat gradient is final for this backward (a
+        post-accumulate-grad hook), so, with the model split into several
+        groups (``register_flat_storage(..., bucket_cap_mb=25)``, or one group
+        per block), communication overlaps the rest of backward; an
+        autograd-engine callback waits for all of them at the end of backward.
+
+        Semantics:
+
+        * Collectives start in one order shared by all ranks: group order in
+          the first synced backward, then the order in which rank 0's first
+          synced backward finished the groups.
+        * A group that this rank's backward did not reach (an unused branch)
+          is still reduced at the end of backward, contributing zeros, so
+          ranks never wait on each other (like DDP's
+          ``find_unused_parameters=True``). Its ``.grad`` is then set, to zeros
+          if no rank produced one. Every rank's backward must reach at least
+          one flat parameter.
+        * Groups that do not require grad are never reduced.
+        * Inside :meth:`no_sync` nothing is reduced; gradients accumulate
+          locally and the next synced backward averages the sum.
+        * Only backward passes in flat mode that reach the flat parameters
+          are synced: not ``using()`` substitutes, not the leaf parameters of
+          unflattened mode (call :meth:`all_reduce_grads` there).
+        * Call ``backward`` once per step outside ``no_sync`` (a second
+          synced backward reduces the already averaged gradient again).
+          Reentrant activation checkpointing (``use_reentrant=True``) runs a
+          nested backward and is refused with a ``RuntimeError`` from
+          ``backward``; use ``use_reentrant=False``.
+        * A flat parameter replaced by ``module.to()`` gets its hook again at
+          the next forward of the registered module.
+        * Where the backend cannot average inside the collective (gloo),
+          backward divides a flat gradient by the world size while copying it
+          together and the collective only sums, saving a pass over the
+          gradient (DDP divides while copying into its buckets). A tensor
+          hook on a flat parameter still sees the local, undivided gradient.
+
+        A rank that fails or stops makes the others' collectives fail after
+        the process group's timeout (``init_process_group(timeout=...)``),
+        raised from ``backward``; they never wait forever.
+
+        Args:
+            group (ProcessGroup, optional): the ranks to average over.
+                Default: ``None``, the default process group.
+
+        Raises:
+            TypeError: if ``group`` is not a process group.
+            ValueError: if this rank is not a member of ``group``.
+            RuntimeError: if no default process group is initialized, or grad
+                sync is already enabled on this storage.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+            >>> storage = register_flat_storage(model, bucket_cap_mb=25)
+            >>> storage.broadcast_params()  # doctest: +SKIP
+            >>> storage.enable_grad_sync()  # doctest: +SKIP
+            >>> model(torch.randn(8, 4)).pow(2).mean().backward()  # grads averaged here
+        """
+        self._grad_sync.enable(group)
+
+    def disable_grad_sync(self) -> None:
+        """Stop syncing gradients in backward and remove every hook that sync added.
+
+        Does nothing if grad sync is not enabled. A backward already in
+        flight still completes its collectives.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> storage = register_flat_storage(nn.Linear(2, 1))
+            >>> storage.disable_grad_sync()
+        """
+        self._grad_sync.disable()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient sync inside the block, for gradient accumulation (like DDP's ``no_sync``).
+
+        Backward passes inside only accumulate local gradients; the first
+        synced backward after the block averages the accumulated sum. Nests;
+        without :meth:`enable_grad_sync` it changes nothing.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Linear(2, 1)
+            >>> storage = register_flat_storage(model)
+            >>> micro_batches = torch.randn(4, 3, 2).unbind()
+            >>> with storage.no_sync():
+            ...     for x in micro_batches[:-1]:
+            ...         model(x).sum().backward()
+            >>> model(micro_batches[-1]).sum().backward()  # syncs the sum, if enabled
+        """
+        with self._grad_sync.paused():
+            yield
+
+    # --------------------------------------------------- disk (DiskOffload)
+    @property
+    def is_offloaded(self) -> bool:
+        """Return whether flat buffers are file-backed (by :meth:`offload_to_disk`).
+
+        ``False`` again after :meth:`load_to_memory`, ``remove_flat_storage``,
+        or a ``module.to()`` that converted or moved the buffers.
+        """
+        return bool(self._disk.backed())
+
+    @property
+    def offload_files(self) -> dict[str, Path]:
+        """Return the file backing each offloaded group's flat buffer, by group name.
+
+        Each file holds the raw bytes of the flat parameter (padding included)
+        in native byte order. Empty when nothing is offloaded.
+        """
+        return self._disk.files()
+
+    def offload_to_disk(self, directory: str | os.PathLike[str]) -> None:
+        """Move the flat buffers to memory-mapped files in ``directory``, releasing their RAM.
+
+        Each group's buffer is written to its own file (named after the group
+        and a random tag, so several storages can share a directory) with
+        ordinary writes, fsynced, then mapped back with
+        ``torch.from_file(..., shared=True)`` and swapped in as the flat
+        parameter's ``.data``. The flat parameters stay the same objects, so
+        an optimizer built before keeps working. Pages are read from the file
+        on access; in-place updates (optimizer steps, ``load_state_dict``,
+        ``copy_``) write through to the file. Forward, backward and state dicts
+        work as before.
+
+        Gradients and optimizer state stay in RAM. Resident memory drops by the
+        buffers' size only if nothing else holds the old buffers: an autograd
+        graph kept from an earlier forward, a ``state_dict()`` or
+        ``named_views()`` result, or your own views do.
+
+        What moves the weights back to RAM (and deletes the files):
+        :meth:`load_to_memory`, ``remove_flat_storage`` (ordinary parameters
+        in RAM), and a ``module.to()`` / ``.double()`` / ``.cuda()`` that
+        converts or moves a buffer (a no-op ``.to()`` keeps it offloaded).
+        ``copy.deepcopy`` of the module gives a copy in RAM. Calling this again
+        with the same directory offloads only groups that are in RAM.
+
+        Args:
+            directory (str or os.PathLike): an existing, writable directory,
+                ideally on a fast local disk.
+
+        Raises:
+            TypeError: if ``directory`` is not a path.
+            RuntimeError: if a flat buffer is not on the CPU, or the buffers
+                are already offloaded to another directory.
+            FileNotFoundError: if ``directory`` does not exist.
+            NotADirectoryError: if ``directory`` is not a directory.
+            OSError: if the disk has too little free space (``errno.ENOSPC``)
+                or a file cannot be written (``PermissionError`` for a
+                read-only directory). In every case the weights stay in
+                memory, unchanged, and no file is left behind.
+
+        Example:
+            >>> import os, tempfile, torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Linear(4, 2)
+            >>> storage = register_flat_storage(model)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     storage.offload_to_disk(directory)
+            ...     print(storage.is_offloaded, len(os.listdir(directory)))
+            ...     print(model(torch.ones(1, 4)).shape)
+            ...     storage.load_to_memory()
+            ...     print(storage.is_offloaded, os.listdir(directory))
+            True 1
+            torch.Size([1, 2])
+            False []
+        """
+        self._disk.offload(directory)
+
+    def load_to_memory(self, keep_files: bool = False) -> None:
+        """Bring offloaded flat buffers back into RAM.
+
+        The values (including every update made while offloaded) are copied
+        into fresh RAM buffers, swapped in as the flat parameters' ``.data``
+        (the same objects, so optimizers keep working), and the files are
+        deleted. Does nothing if nothing is offloaded.
+
+        Args:
+            keep_files (bool): keep the files (fsynced, holding the current
+                values) instead of deleting them; see :attr:`offload_files`
+                for their paths, read before this call. Default: ``False``.
+
+        Raises:
+            TypeError: if ``keep_files`` is not a bool.
+            RuntimeError: if the RAM for the buffers cannot be allocated; the
+                buffers then stay offloaded, unchanged.
+
+        Example:
+            >>> import tempfile, torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Linear(4, 2)
+            >>> storage = register_flat_storage(model)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     storage.offload_to_disk(directory)
+            ...     with torch.no_grad():
+            ...         _ = model.bias.fill_(7.0)  # writes through to the file
+            ...     [path] = storage.offload_files.values()
+            ...     storage.load_to_memory(keep_files=True)
+            ...     print(storage.is_offloaded, model.bias.tolist())
+            ...     print(torch.from_file(str(path), size=10)[-2:])
+            False [7.0, 7.0]
+            tensor([7., 7.])
+        """
+        self._disk.load(keep_files)
+
+    # -------------------------------------------------- ensembles (Functional)
+    def stack(self, k: int, *, requires_grad: bool = False) -> list[Tensor]:
+        """Return ``k`` copies of every flat parameter, stacked: one ``(k, numel)`` tensor per group.
+
+        The copies are independent of the module (perturb them, train them,
+        average them) and :meth:`call_stacked` evaluates the module once per row.
+
+        Args:
+            k: number of weight sets (``>= 1``).
+            requires_grad: make the stacks leaves that require grad. Default: ``False``.
+
+        Returns:
+            A list in group order.
+
+        Raises:
+            ValueError: if ``k`` is smaller than 1.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(3, 2)
+            >>> storage = register_flat_storage(layer)
+            >>> [tuple(s.shape) for s in storage.stack(4)]
+            [(4, 8)]
+        """
+        return self._functional.stack(k, requires_grad)
+
+    def call_stacked(self, stacked: StackedTensors, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate the module once per row of ``stacked``, in one vectorized call.
+
+        ``torch.vmap`` over ``torch.func.functional_call`` with the flat
+        parameters replaced by each row: an ensemble of ``k`` weight sets on
+        the same inputs. Gradients flow to ``stacked``.
+
+        Args:
+            stacked: one ``(k, numel)`` tensor per group (see :meth:`stack`).
+            *args: positional inputs of the module's forward (shared by all rows).
+            **kwargs: keyword inputs of the module's forward.
+
+        Returns:
+            The module's output with a leading dimension of size ``k``.
+
+        Raises:
+            TypeError: if ``stacked`` or an entry has a wrong type.
+            ValueError: if counts, group names or shapes do not match.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> layer = nn.Linear(3, 2)
+            >>> storage = register_flat_storage(layer)
+            >>> out = storage.call_stacked(storage.stack(5), torch.randn(7, 3))
+            >>> out.shape
+            torch.Size([5, 7, 2])
+        """
+        return self._functional.call_stacked(stacked, args, kwargs)
 
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
+
+
+def install_storage(storage: FlatStorage) -> None:
+    """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
+    atomically(lambda tx: surgery.install(storage, tx))
+
+
+def remove_storage(storage: FlatStorage) -> None:
+    """Undo the registration of ``storage``: plain parameters with the current values (atomically)."""
+
+    def change(tx: Transaction) -> None:
+        storage._flatten(tx)
+        surgery.uninstall(storage, tx)
+        tx.set_attr(storage, "_flattened", False)
+
+    atomically(change)
+    storage._invalidate()
+    for feature in storage._features:
+        feature.on_removed()  # delete the offload files (values are in RAM now), remove grad-sync hooks

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, values
+from _helpers import TiedLM, WithOwnParam, mlp, values
 
 
 def test_register_keeps_the_module_tree_print_and_container_behaviour():
@@ -299,7 +299,7 @@ def test_registration_is_atomic_when_a_class_cannot_be_created():
 
 def test_registration_is_atomic_when_a_late_step_fails(monkeypatch):
     """If installing the k-th view fails, everything installed before is undone."""
-    import flatten_parametrize._install as install_module
+    import flatten_parametrize._surgery as install_module
 
     real = install_module.register_view
     for fail_at in range(4):

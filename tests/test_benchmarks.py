@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["mlp", "transformer", "optim", "state_dict", "register", "access", "eval"]
 

@@ -15,6 +15,7 @@ from flatten_parametrize.__main__ import main as cli_main
 from flatten_parametrize._demo import main as demo_main
 
 
+@pytest.mark.slow
 def test_demo_command_runs_and_agrees() -> None:
     """`python -m flatten_parametrize demo --steps 5` exits 0 and prints summary, both losses and OK."""
     proc = subprocess.run(

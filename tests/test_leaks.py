@@ -73,7 +73,7 @@ def _hooks(model: nn.Module) -> int:
 
 def _cached_entries(storage: object) -> list[int]:
     """Entries of this thread's view cache, per group."""
-    return [len(views._tls.__dict__) for views in storage._views]  # type: ignore[attr-defined]
+    return [len(group.views._tls.__dict__) for group in storage.groups()]  # type: ignore[attr-defined]
 
 
 def _generated_classes() -> int:

@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import flatten_parametrize._offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, mlp, twin, values
 
 
 def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
 def _in_file(tensor: torch.Tensor, storage: FlatStorage) -> bool:
     """Return whether ``tensor``'s memory is one of the storage's file mappings."""
     ptr = tensor.untyped_storage().data_ptr()
-    return any(ptr == b.mapped.untyped_storage().data_ptr() for b in (storage._offload or {}).values())
+    return any(ptr == b.mapped.untyped_storage().data_ptr() for b in storage._disk.backed().values())
 
 
 def _listing(directory: Path) -> list[str]:
@@ -145,7 +145,7 @@ def test_load_to_memory_brings_values_back_and_deletes_files(tmp_path):
     model(torch.randn(2, 5)).sum().backward()
     opt.step()
     expected = flat.detach().clone()
-    mapping = StorageWeakRef(storage._offload[0].mapped.untyped_storage())  # type: ignore[index]
+    mapping = StorageWeakRef(storage._disk.backed()[0].mapped.untyped_storage())
     storage.load_to_memory()
     gc.collect()
     assert not storage.is_offloaded and storage.offload_files == {}
@@ -190,7 +190,7 @@ def test_remove_flat_storage_gives_ram_parameters_and_deletes_files(tmp_path):
     storage = register_flat_storage(model)
     storage.offload_to_disk(tmp_path)
     before = values(model)
-    mapped = {b.mapped.untyped_storage().data_ptr() for b in storage._offload.values()}  # type: ignore[union-attr]
+    mapped = {b.mapped.untyped_storage().data_ptr() for b in storage._disk.backed().values()}
     remove_flat_storage(model)
     assert _listing(tmp_path) == []
     assert not storage.is_offloaded
@@ -342,6 +342,7 @@ def test_other_threads_view_caches_do_not_keep_the_ram_buffer_alive(tmp_path):
         thread.join()
 
 
+@pytest.mark.slow
 def test_offloaded_model_releases_resident_memory(tmp_path):
     """Offloading a ~256 MB model drops resident memory by about its size; outputs are unchanged."""
     if not Path("/proc/self/status").exists():
@@ -420,7 +421,7 @@ print(json.dumps({
 # --------------------------------------------------------------------- errors
 def _assert_untouched(model: nn.Module, storage: FlatStorage, before: dict[str, torch.Tensor]) -> None:
     assert not storage.is_offloaded
-    assert storage._offload in (None, {})
+    assert storage._disk._files == {}
     for key, value in values(model).items():
         assert torch.equal(value, before[key]), key
 

@@ -26,10 +26,16 @@ from torch import nn
 
 from flatten_parametrize import ShardedOptimizer, _sharded, plain_optim_state_dict, register_flat_storage
 
-from _models import mlp, values
-from test_distributed import _RankFailed, _save, _spawn
+from _helpers import RankFailed, mlp, spawn_gloo, values
 
 BATCH = 12  # divisible by 2 and 3 ranks
+
+
+def _save(outdir: Path, rank: int, name: str, result: Any) -> None:
+    torch.save(result, outdir / f"{name}.{rank}.tmp")
+    (outdir / f"{name}.{rank}.tmp").rename(outdir / f"{name}.{rank}.pt")
+
+
 STEPS = 5
 
 
@@ -175,7 +181,7 @@ def _grad_bytes(storage, opt) -> int:
     """Bytes of gradient memory held: flat gradients, slice gradients, the storage's kept gradient memory."""
     held = sum(f.grad.nbytes for f in storage.flat_params if f.grad is not None)
     held += sum(s.param.grad.nbytes for s in opt._shards if s.param.grad is not None)
-    held += sum(k.nbytes() for v in storage._views for k in v.grad_buffer._kept)
+    held += sum(k.nbytes() for g in storage.groups() for k in g.views.grad_buffer._kept)
     return held
 
 
@@ -437,9 +443,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     outdir = tmp_path_factory.mktemp("ranks2")
     start = time.monotonic()
     try:
-        _spawn(_run_two, outdir, world=2)
+        spawn_gloo(_run_two, outdir, world=2)
         failure = "no rank failed"
-    except _RankFailed as error:
+    except RankFailed as error:
         failure = str(error)
     return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start, "world": 2}
 
@@ -449,9 +455,9 @@ def three_ranks(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFact
     """One launch of 3 ranks running every scenario, resuming the 2-rank checkpoint first."""
     outdir = tmp_path_factory.mktemp("ranks3")
     try:
-        _spawn(functools.partial(_run_three, two_ranks["outdir"]), outdir, world=3)
+        spawn_gloo(functools.partial(_run_three, two_ranks["outdir"]), outdir, world=3)
         failure = "no rank failed"
-    except _RankFailed as error:
+    except RankFailed as error:
         failure = str(error)
     return {"outdir": outdir, "failure": failure, "world": 3, "saved": two_ranks}
 

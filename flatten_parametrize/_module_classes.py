@@ -12,39 +12,19 @@ from __future__ import annotations
 
 import copy
 import copyreg
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._names import MODULE_STATE_ATTR, registered_storage
+from ._records import ModuleState
 from ._state_dict import load_module, save_module
-from ._views import GroupViews, make_property
+from ._view_cache import make_property
 
-if TYPE_CHECKING:
-    from ._storage import FlatStorage
-
-__all__ = ["ModuleState", "make_class", "base_of", "clone_class", "add_property"]
+__all__ = ["METHODS", "make_class", "base_of", "clone_class", "add_property"]
 
 _MARKER = "_flat_parametrize_class"
-
-
-@dataclass
-class ModuleState:
-    """What the library keeps on each module it changed (in ``module.__dict__``).
-
-    Attributes:
-        storage: the coordinator that owns the flat buffers.
-        slots: flattened attribute name -> (group views, index in group).
-        order: names of the module's parameters before registration, in order.
-        prev_class: the module's class before registration.
-    """
-
-    storage: FlatStorage
-    order: list[str]
-    prev_class: type
-    slots: dict[str, tuple[GroupViews, int]] = field(default_factory=dict)
 
 
 def base_of(module: nn.Module) -> type:
@@ -64,7 +44,7 @@ def _super(module: nn.Module) -> Any:
 
 
 def _state(module: nn.Module) -> ModuleState | None:
-    return module.__dict__.get(MODULE_STATE_ATTR)  # type: ignore[no-any-return]
+    return module.__dict__.get(MODULE_STATE_ATTR)
 
 
 def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -96,25 +76,25 @@ def _load_from_state_dict(
 
 
 def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-    storage = self.__dict__.get(STORAGE_ATTR)
+    storage = registered_storage(self)
     base = _super(self).load_state_dict
     if storage is None:
         return base(state_dict, strict=strict, assign=assign)
-    return storage._load_state_dict(base, state_dict, strict=strict, assign=assign)
+    return storage.load_via(base, state_dict, strict=strict, assign=assign)
 
 
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
-    storage = self.__dict__.get(STORAGE_ATTR)
+    storage = registered_storage(self)
     base = _super(self)._apply
     if storage is None:
-        return base(fn, recurse)  # type: ignore[no-any-return]
-    return storage._apply(base, fn, recurse)
+        return base(fn, recurse)
+    return storage.apply_via(base, fn, recurse)
 
 
 def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
-        return found  # type: ignore[no-any-return]
+        return found
     base_copy = getattr(base_of(self), "__deepcopy__", None)
     if base_copy is not None:
         replica = base_copy(self, memo)
@@ -127,7 +107,7 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
                 setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
     # The copy gets a class of its own, so that changing one never changes the other.
     replica.__class__ = clone_class(type(self))
-    return replica  # type: ignore[no-any-return]
+    return replica
 
 
 def _getstate(self: nn.Module) -> Any:
@@ -138,7 +118,7 @@ def _getstate(self: nn.Module) -> Any:
     )
 
 
-_METHODS: dict[str, Any] = {
+METHODS: dict[str, Any] = {
     _MARKER: True,
     "_save_to_state_dict": _save_to_state_dict,
     "_load_from_state_dict": _load_from_state_dict,
@@ -166,7 +146,7 @@ def make_class(module: nn.Module) -> type:
     else:
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         bases = (cls,)
-    namespace.update(_METHODS)
+    namespace.update(METHODS)
     return type(cls.__name__, bases, namespace)
 
 

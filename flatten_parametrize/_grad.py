@@ -1,0 +1,177 @@
+"""The autograd path of a group: one node for all its views, and the memory and hooks of its flat gradient.
+
+:class:`_GroupSplit` makes every view of a group as the outputs of one
+autograd node; its backward builds the group's flat gradient in one go, in
+memory that :class:`GradBuffer` reuses across steps. The buffer also carries
+the group's :class:`FlatGradHook` objects: the seam where a feature sees (and
+may scale while it is built) each flat gradient as backward produces it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ._layout import GroupLayout
+
+__all__ = ["FlatGradHook", "GradBuffer", "PRESCALE_MIN_SEGMENT_BYTES"]
+
+
+class FlatGradHook(Protocol):
+    """Sees each flat gradient that a group's split node builds in backward ("flat gradient ready").
+
+    Hooks are registered per group with :meth:`GradBuffer.add_hook`. They run
+    on the autograd thread, inside backward, before the gradient is
+    accumulated into ``flat.grad``; they must not keep the views or the module
+    alive (the node that calls them may outlive both).
+
+    Gradient sync divides by the world size here (``_distributed.py``); a
+    sharded optimizer can start a reduce-scatter from :meth:`grad_ready`, a
+    mixed-precision feature can cast.
+    """
+
+    def divisor(self, flat: Tensor) -> int | None:
+        """Return a divisor to apply while this backward builds the gradient of ``flat``, or ``None``."""
+
+    def grad_ready(self, grad: Tensor, divided: bool) -> None:
+        """Take note of a built flat gradient; ``divided``: it was divided by this hook's divisor."""
+
+
+#: Dividing while copying costs one small op per segment; below this many bytes per segment on
+#: average, one ``cat`` and a separate division pass are cheaper.
+PRESCALE_MIN_SEGMENT_BYTES = 16 * 1024
+
+
+class GradBuffer:
+    """One reusable CPU buffer for a group's flat gradient, and the group's gradient hooks.
+
+    Each backward builds the group's flat gradient as a new tensor; on CPU a
+    fresh multi-megabyte allocation is served by new pages that the kernel
+    zero-fills on first touch, every step. When memory kept from an earlier
+    backward is no longer used (the gradient was dropped by
+    ``zero_grad(set_to_none=True)``, or added into the kept ``.grad``),
+    backward writes into it again instead. It holds no reference to the views
+    or the module (it is reachable from autograd nodes).
+    """
+
+    __slots__ = ("_kept", "_lock", "hooks", "keep")
+
+    #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
+    #: one is the flat gradient while backward fills the other.
+    KEEP = 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[torch.UntypedStorage] = []
+        #: How many buffers to keep (``0``: every flat gradient is fresh memory, freed with it).
+        self.keep = self.KEEP
+        #: The group's flat-gradient hooks, in registration order (a tuple: read without a lock).
+        self.hooks: tuple[FlatGradHook, ...] = ()
+
+    def add_hook(self, hook: FlatGradHook) -> None:
+        """Have backward call ``hook`` for each flat gradient of this group."""
+        self.hooks = (*self.hooks, hook)
+
+    def remove_hook(self, hook: FlatGradHook) -> None:
+        """Stop calling ``hook`` (nothing happens if it is not registered)."""
+        self.hooks = tuple(h for h in self.hooks if h is not hook)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Return a tensor of ``numel`` elements: kept memory that nothing uses, else new memory."""
+        if device.type != "cpu":  # device allocators cache freed memory themselves
+            return torch.empty(numel, dtype=dtype, device=device)
+        nbytes = numel * dtype.itemsize
+        with self._lock:
+            self._kept = [s for s in self._kept if s.nbytes() == nbytes][: self.keep]  # forget other layouts
+            for kept in self._kept:
+                if torch._C._storage_Use_Count(kept._cdata) == 1:
+                    return torch.empty(0, dtype=dtype, device=device).set_(kept, 0, (numel,), (1,))
+            out = torch.empty(numel, dtype=dtype, device=device)
+            if len(self._kept) < self.keep:
+                self._kept.append(out.untyped_storage())
+            return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradBuffer:
+        return GradBuffer()
+
+
+class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupSplitBackward
+    """All views of a group as the outputs of one autograd node.
+
+    The node keeps only the (immutable) layout and the group's gradient
+    buffer: a reference to anything that holds the cached views would make a
+    cycle through the C++ autograd graph that Python's garbage collector
+    cannot see, and leak the flat buffer.
+    """
+
+    @staticmethod
+    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:
+        # Views of a detached alias, not of the input itself: autograd then wraps each
+        # output cheaply (about 4 us instead of 20), and in-place changes to an output are
+        # still refused, as for the outputs of any function that returns several views.
+        chunks = flat.detach().split(layout.split_sizes)
+        # One-dimensional slots already have their shape: skip a view (a few us each).
+        return tuple(
+            chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)
+            for seg, shape in zip(layout.segments, layout.shapes)
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        flat, layout, buffer = inputs
+        ctx.layout = layout
+        ctx.buffer = buffer
+        ctx.flat = weakref.ref(flat)
+        ctx.like = (flat.dtype, flat.device)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+        layout: GroupLayout = ctx.layout
+        dtype, device = ctx.like
+        sizes = layout.split_sizes
+        pieces: list[Tensor | None] = [None] * len(sizes)
+        for seg, grad in zip(layout.segments, grads):
+            pieces[seg] = grad
+        buffer: GradBuffer = ctx.buffer
+        hooks = buffer.hooks
+        if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
+            out = torch.cat(_flat_pieces(pieces, sizes, dtype, device))
+            for hook in hooks:
+                hook.grad_ready(out, False)
+            return out, None, None
+        out = buffer.take(layout.numel, dtype, device)
+        divisor, by = None, None
+        if hooks and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
+            flat = ctx.flat()
+            if flat is not None:
+                for hook in hooks:
+                    divisor = hook.divisor(flat)
+                    if divisor is not None:
+                        by = hook
+                        break
+        if divisor is None:
+            torch.cat(_flat_pieces(pieces, sizes, dtype, device), out=out)
+        else:  # divide while copying, instead of one more pass over the whole gradient later
+            for chunk, piece in zip(out.split(sizes), pieces):
+                if piece is None:
+                    chunk.zero_()
+                else:
+                    torch.div(piece, divisor, out=chunk.view(piece.shape))
+        for hook in hooks:
+            hook.grad_ready(out, hook is by)
+        return out, None, None
+
+
+def _flat_pieces(
+    pieces: list[Tensor | None], sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> list[Tensor]:
+    """Return the segments of a flat gradient as 1-D tensors, zeros where none was computed."""
+    return [
+        piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
+        for piece, size in zip(pieces, sizes)
+    ]

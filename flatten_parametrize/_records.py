@@ -1,0 +1,173 @@
+"""The coordinator's read API: one record per group and per slot, and the public ``ParamInfo``.
+
+Every module that needs to know the layout of a flat storage (state dicts,
+inspection, plotting, optimizer conversion, module surgery, features) reads
+these records, obtained from ``storage.groups()`` and ``storage.slots()``,
+instead of the coordinator's private attributes. Nothing here imports the
+coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ._flat_parameter import FlatParameter
+from ._layout import GroupLayout
+from ._view_cache import GroupViews
+
+__all__ = ["Coordinator", "Group", "ModuleState", "ParamInfo", "Slot", "StagedValue"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one flattened parameter lives.
+
+    Attributes:
+        name: qualified name, relative to the registered module.
+        aliases: the other names of a tied parameter (empty if not tied).
+        group: name of the group whose flat buffer holds it.
+        offset: element offset in that buffer.
+        numel: number of elements.
+        shape: shape of the parameter.
+        dtype: dtype of the buffer.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    group: str
+    offset: int
+    numel: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class Slot:
+    """One flattened parameter object and every name the module reaches it by.
+
+    Attributes:
+        name: its first qualified name.
+        aliases: its other names (a tied parameter).
+        group_index: the position of its group in the storage.
+        index: its position in its group's layout.
+        param: the original parameter object (a leaf in unflattened mode).
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    group_index: int
+    index: int
+    param: nn.Parameter
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        """Return the first name and the aliases."""
+        return (self.name, *self.aliases)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """One group of a flat storage, as the coordinator holds it now.
+
+    A new record replaces the old one when the flat parameter object is
+    replaced (``module.to()`` & co.); the other fields never change.
+
+    Attributes:
+        index: position of the group in the storage (group order).
+        name: the group name (``storage["name"]``).
+        flat_name: the attribute of its flat parameter on the module (``flat_param_<name>``).
+        layout: where each member lives in the flat buffer.
+        views: the hot-path view cache that serves the members' attributes.
+        flat: the group's flat parameter.
+        members: its slots, in layout order.
+    """
+
+    index: int
+    name: str
+    flat_name: str
+    layout: GroupLayout
+    views: GroupViews
+    flat: FlatParameter
+    members: tuple[Slot, ...]
+
+    def split(self, tensor: Tensor) -> list[Tensor]:
+        """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""
+        return self.views.split(tensor)
+
+    def value_views(self) -> list[Tensor]:
+        """Return a view of each member of the flat parameter's values (detached)."""
+        return self.views.split(self.flat.detach())
+
+    def grad_views(self) -> list[Tensor] | None:
+        """Return a view of each member of the flat gradient, or ``None`` while there is none."""
+        grad = self.flat.grad
+        return None if grad is None else self.views.split(grad)
+
+
+#: A value that ``load_state_dict`` will write into one slot: (group views, index in group, source).
+StagedValue = tuple[GroupViews, int, Tensor]
+
+
+class Coordinator(Protocol):
+    """What the library's modules may use of ``FlatStorage`` (besides its public API)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The registered module (raises for a detached storage)."""
+
+    @property
+    def module_unchecked(self) -> nn.Module:
+        """The registered module, also while registration or removal is under way."""
+
+    @property
+    def is_flattened(self) -> bool:
+        """Whether the module is in flat mode."""
+
+    @property
+    def param_infos(self) -> list[ParamInfo]:
+        """One public record per slot."""
+
+    def groups(self) -> tuple[Group, ...]:
+        """The records of the groups, in group order."""
+
+    def slots(self) -> tuple[Slot, ...]:
+        """The records of the slots, in group and layout order."""
+
+    def flatten(self) -> None:
+        """Switch to flat mode."""
+
+    def unflatten(self) -> None:
+        """Switch to unflattened mode."""
+
+    def flat_buffers_replaced(self) -> None:
+        """Tell the coordinator (and every feature) that flat buffers were swapped (``.data``)."""
+
+    def stage_loaded(self, loaded: list[StagedValue]) -> None:
+        """Take values that a module's ``_load_from_state_dict`` read, to commit them all at once."""
+
+    def load_via(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
+        """Run the root module's ``load_state_dict`` (``base``) atomically."""
+
+    def apply_via(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
+        """Run the root module's ``_apply`` (``.to()``, ``.half()``, ...) and re-adopt the buffers."""
+
+
+@dataclass
+class ModuleState:
+    """What the library keeps on each module it changed (in ``module.__dict__``).
+
+    Attributes:
+        storage: the coordinator that owns the flat buffers.
+        order: names of the module's parameters before registration, in order.
+        prev_class: the module's class before registration.
+        slots: flattened attribute name -> (group views, index in group).
+    """
+
+    storage: Coordinator
+    order: list[str]
+    prev_class: type
+    slots: dict[str, tuple[GroupViews, int]] = field(default_factory=dict)

@@ -1,0 +1,347 @@
+"""Module surgery: every change the library makes to a module tree, and its undoing.
+
+Registration (:func:`install`) and removal (:func:`uninstall`), the two mode
+switches (:func:`flatten_module`, :func:`unflatten_module`), pointing the
+original parameter objects at their slots (:func:`refresh_originals`),
+re-wrapping flat parameters that ``module.to()`` & co. replaced
+(:func:`rewrap_flat_params`) and zeroing padding (:func:`zero_padding`). Each
+takes a :class:`~._transaction.Transaction` where it can fail half-way, so
+that the coordinator can run it all or nothing. The coordinator keeps its own
+state (mode, group records); these functions see it through its read API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._flat_parameter import FlatParameter, _as_flat_parameter
+from ._layout import GroupLayout
+from ._module_classes import METHODS, add_property, make_class
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._parametrize_interop import HiddenParametrizations, register_view
+from ._records import Coordinator, Group, ModuleState, Slot
+from ._transaction import Transaction
+from ._view_cache import end_trace_split, same_memory, trace_split
+
+__all__ = [
+    "flatten_module",
+    "install",
+    "invalidate",
+    "locate",
+    "refresh_originals",
+    "rewrap_flat_param",
+    "uninstall",
+    "unflatten_module",
+    "zero_padding",
+]
+
+
+def locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, str]:
+    """Return the module that owns parameter ``qualified`` and the attribute name there."""
+    path, _, attr = qualified.rpartition(".")
+    return modules[path], attr
+
+
+def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
+    """Put the keys of ``params`` in ``order`` (unknown keys last), keeping the dict object."""
+    items = dict(params)
+    params.clear()
+    for name in order:
+        if name in items:
+            params[name] = items.pop(name)
+    params.update(items)
+
+
+def _modules(root: nn.Module) -> dict[str, nn.Module]:
+    return dict(root.named_modules(remove_duplicate=False))
+
+
+def zero_padding(flat: Tensor, layout: GroupLayout) -> None:
+    """Write zeros into the padding of ``flat`` (a tensor laid out by ``layout``), leaving the slots."""
+    if not layout.padding or flat.is_meta:
+        return
+    slot_segments = set(layout.segments)
+    with torch.no_grad():
+        for segment, chunk in enumerate(flat.detach().split(layout.split_sizes)):
+            if segment not in slot_segments:
+                chunk.zero_()
+
+
+def invalidate(groups: Sequence[Group]) -> None:
+    """Drop every cached view of every group."""
+    for group in groups:
+        group.views.invalidate()
+
+
+def refresh_originals(groups: Sequence[Group], slots: Sequence[Slot], tx: Transaction | None = None) -> None:
+    """Point the original parameter objects at their slots (frees any old buffer)."""
+    tx = tx if tx is not None else Transaction()
+    with torch.no_grad():
+        splits = [group.value_views() for group in groups]
+    for slot in slots:
+        target = splits[slot.group_index][slot.index]
+        if same_memory(slot.param, target):
+            continue
+        if torch._has_compatible_shallow_copy_type(slot.param, target):
+            tx.set_attr(slot.param, "data", target)
+        else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
+            tx.swap_tensors(slot.param, nn.Parameter(target, requires_grad=slot.param.requires_grad))
+    invalidate(groups)
+
+
+def rewrap_flat_param(root: nn.Module, group: Group) -> FlatParameter:
+    """Return ``group``'s flat parameter, re-wrapped if ``module.to()`` & co. replaced or re-classed it."""
+    param = root._parameters.get(group.flat_name)
+    if not isinstance(param, Tensor) or (param is group.flat and type(param) is FlatParameter):
+        return group.flat
+    layout, members = group.layout, group.members
+    flat = _as_flat_parameter(
+        param,
+        names=[slot.name for slot in members],
+        shapes=[layout.shapes[slot.index] for slot in members],
+        numels=[layout.numels[slot.index] for slot in members],
+        offsets=[layout.offsets[slot.index] for slot in members],
+    )
+    root._parameters[group.flat_name] = flat
+    return flat
+
+
+# ------------------------------------------------------------------ registration
+def install(storage: Coordinator, tx: Transaction) -> None:
+    """Change the module: classes, parametrizations, flat parameters, hooks."""
+    root = storage.module_unchecked
+    groups, slots = storage.groups(), storage.slots()
+    modules = _modules(root)
+    owners: dict[int, nn.Module] = {id(root): root}
+    for slot in slots:
+        for name in slot.all_names:
+            owner, _ = locate(modules, name)
+            owners.setdefault(id(owner), owner)
+    classes = {key: make_class(owner) for key, owner in owners.items()}
+    grads = _gather_grads(groups)
+    for key, owner in owners.items():
+        order = list(owner._parameters)
+        tx.keep_dict(owner.__dict__)
+        tx.keep_dict(owner._parameters)
+        owner.__dict__[MODULE_STATE_ATTR] = ModuleState(storage, order, type(owner))
+        tx.set_attr(owner, "__class__", classes[key])
+    for slot in slots:
+        views = groups[slot.group_index].views
+        for name in slot.all_names:
+            owner, attr = locate(modules, name)
+            state: ModuleState = owner.__dict__[MODULE_STATE_ATTR]
+            if attr in state.slots:  # the same module reached under two paths
+                continue
+            original = owner._parameters.pop(attr)
+            assert original is not None
+            register_view(owner, attr, views, slot.index, name, original, tx.on_undo)
+            add_property(type(owner), attr)
+            state.slots[attr] = (views, slot.index)
+    for group, grad in zip(groups, grads):
+        root.register_parameter(group.flat_name, group.flat)
+        group.flat.grad = grad
+    for slot in slots:
+        tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
+    tx.keep_dict(root._forward_pre_hooks)
+    tx.keep_dict(root._forward_hooks)
+    root.register_forward_pre_hook(trace_split)
+    root.register_forward_hook(end_trace_split)
+    root.__dict__[STORAGE_ATTR] = storage
+    refresh_originals(groups, slots, tx)
+
+
+def _gather_grads(groups: Sequence[Group]) -> list[Tensor | None]:
+    """Return each group's flat gradient built from its members' current gradients."""
+    grads: list[Tensor | None] = []
+    with torch.no_grad():
+        for group in groups:
+            if all(slot.param.grad is None for slot in group.members):
+                grads.append(None)
+                continue
+            grad = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
+            targets = group.split(grad)
+            for slot in group.members:
+                if slot.param.grad is not None:
+                    targets[slot.index].copy_(slot.param.grad)
+            grads.append(grad)
+    return grads
+
+
+def uninstall(storage: Coordinator, tx: Transaction) -> None:
+    """Undo the registration of a flattened module: plain parameters with the current values."""
+    root = storage.module
+    groups, slots = storage.groups(), storage.slots()
+    modules = _modules(root)
+    with torch.no_grad():
+        values = [group.value_views() for group in groups]
+        grads = [group.grad_views() for group in groups]
+        data = [values[s.group_index][s.index].clone() for s in slots]
+        grad = [None if (g := grads[s.group_index]) is None else g[s.index].clone() for s in slots]
+    for slot, value, slot_grad in zip(slots, data, grad):
+        tx.set_attr(slot.param, "data", value)
+        tx.set_attr(slot.param, "requires_grad", groups[slot.group_index].flat.requires_grad)
+        tx.set_attr(slot.param, "grad", slot_grad)
+    tx.keep_dict(root._parameters)
+    for group in groups:
+        root._parameters.pop(group.flat_name, None)
+    for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
+        _restore_module(owner, slots, modules, tx)
+    for hooks in (root._forward_pre_hooks, root._forward_hooks):
+        tx.keep_dict(hooks)
+        for hook_id, hook in list(hooks.items()):
+            if hook is trace_split or hook is end_trace_split:
+                del hooks[hook_id]
+    tx.keep_dict(root.__dict__)
+    root.__dict__.pop(STORAGE_ATTR, None)
+
+
+def _restore_module(
+    owner: nn.Module, slots: Sequence[Slot], modules: dict[str, nn.Module], tx: Transaction
+) -> None:
+    """Give ``owner`` back its parameters, its container of parametrizations and its class."""
+    tx.keep_dict(owner.__dict__)
+    tx.keep_dict(owner._parameters)
+    tx.keep_dict(owner._modules)
+    state: ModuleState = owner.__dict__.pop(MODULE_STATE_ATTR)
+    container = owner.__dict__.get("parametrizations", owner._modules.get("parametrizations"))
+    if container is not None:
+        tx.keep_dict(container._modules)
+        for attr in state.slots:
+            container._modules.pop(attr, None)
+    for slot in slots:
+        for name in slot.all_names:
+            found, attr = locate(modules, name)
+            if found is owner:
+                owner._parameters[attr] = slot.param
+    _reorder(owner._parameters, state.order)
+    if isinstance(container, HiddenParametrizations):
+        if len(container):
+            # Another parametrization was registered after ours: keep its property.
+            namespace = {
+                k: v
+                for k, v in type(owner).__dict__.items()
+                if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in METHODS
+            }
+            tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
+            return
+        owner.__dict__.pop("parametrizations", None)
+        owner._modules.pop("parametrizations", None)
+    tx.set_attr(owner, "__class__", state.prev_class)
+
+
+# ------------------------------------------------------------------ mode switches
+def _current_params(
+    groups: Sequence[Group], slots: Sequence[Slot], modules: dict[str, nn.Module]
+) -> list[nn.Parameter]:
+    """Return the parameter each slot holds in unflattened mode, after checking it."""
+    current = []
+    for slot in slots:
+        found: list[Any] = []
+        group = groups[slot.group_index]
+        shape = group.layout.shapes[slot.index]
+        for name in slot.all_names:
+            owner, attr = locate(modules, name)
+            param = owner._parameters.get(attr)
+            if not isinstance(param, Tensor):
+                raise RuntimeError(
+                    f"cannot flatten: {name} is {type(param).__name__}, not a parameter; "
+                    "assign an nn.Parameter of its shape before flattening"
+                )
+            if tuple(param.shape) != shape:
+                raise RuntimeError(
+                    f"cannot flatten: {name} has shape {tuple(param.shape)} but its slot "
+                    f"in the flat storage holds {shape}; assign a parameter of shape {shape}"
+                )
+            flat = group.flat
+            for what, tensor in (("its value", param), ("its gradient", param.grad)):
+                if tensor is not None and tensor.is_meta and not flat.is_meta:
+                    raise RuntimeError(
+                        f"cannot flatten: {what} of {name} is on the meta device and holds "
+                        f"no data to write into group '{group.name}'; "
+                        "assign a parameter with values (or load a state dict) first"
+                    )
+            if found and param is not found[0]:
+                raise RuntimeError(
+                    f"cannot flatten: tied parameter {slot.name} and {name} were "
+                    "reassigned separately and no longer share one tensor; assign the "
+                    "same nn.Parameter to every name of a tied parameter"
+                )
+            found.append(param)
+        current.append(found[0])
+    return current
+
+
+def flatten_module(storage: Coordinator, tx: Transaction) -> None:
+    """Write unflattened-mode values and gradients into the flat buffers; views serve the attributes again."""
+    root = storage.module
+    groups, slots = storage.groups(), storage.slots()
+    modules = _modules(root)
+    current = _current_params(groups, slots, modules)
+    by_group = [
+        [(slot, current[i]) for i, slot in enumerate(slots) if slot.group_index == g.index] for g in groups
+    ]
+    new_grads: list[Tensor | None] = []
+    for group, members in zip(groups, by_group):
+        flat = group.flat
+        grads = [param.grad for _, param in members]
+        if all(grad is None for grad in grads):
+            new_grads.append(None)
+            continue
+        flat_grad = flat.grad
+        fresh = flat_grad is None
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+        targets = group.split(flat_grad)
+        for (slot, _), grad in zip(members, grads):
+            target = targets[slot.index]
+            if fresh and grad is not None:
+                target.copy_(grad)  # a new buffer: nothing to undo
+            elif not fresh and (grad is None or not same_memory(grad, target)):
+                tx.write(target, grad)
+        new_grads.append(flat_grad)
+    for group, members in zip(groups, by_group):
+        targets = group.value_views()
+        for slot, param in members:
+            if not same_memory(param, targets[slot.index]):
+                tx.write(targets[slot.index], param.detach())
+    for group, grad in zip(groups, new_grads):
+        tx.set_attr(group.flat, "grad", grad)
+    for slot, param in zip(slots, current):
+        tx.set_attr(param, "grad", None)
+        tx.set_attr(slot, "param", param)
+        for name in slot.all_names:
+            owner, attr = locate(modules, name)
+            tx.keep_dict(owner._parameters)
+            owner._parameters.pop(attr, None)
+    tx.keep_dict(root._parameters)
+    for group in groups:
+        root._parameters[group.flat_name] = group.flat
+
+
+def unflatten_module(storage: Coordinator, tx: Transaction) -> None:
+    """Make every attribute a real leaf parameter again, sharing memory with the flat buffers."""
+    root = storage.module
+    groups, slots = storage.groups(), storage.slots()
+    modules = _modules(root)
+    refresh_originals(groups, slots, tx)
+    grads = [group.grad_views() for group in groups]
+    for slot in slots:
+        split = grads[slot.group_index]
+        tx.set_attr(slot.param, "requires_grad", groups[slot.group_index].flat.requires_grad)
+        tx.set_attr(slot.param, "grad", None if split is None else split[slot.index])
+    tx.keep_dict(root._parameters)
+    for group in groups:
+        root._parameters.pop(group.flat_name, None)
+    touched = {}
+    for slot in slots:
+        for name in slot.all_names:
+            owner, attr = locate(modules, name)
+            tx.keep_dict(owner._parameters)
+            owner._parameters[attr] = slot.param
+            touched[id(owner)] = owner
+    for owner in touched.values():
+        _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)

@@ -1,0 +1,293 @@
+"""The hot path: serving ``module.weight`` as a view of the group's flat tensor.
+
+One :class:`GroupViews` per group makes every view of a group *at once* per
+pass (per thread, per grad mode) and hands them out from a cache, so that
+backward costs O(total numel) per group instead of one full-size gradient per
+parameter. In grad mode the views are the outputs of one autograd node
+(``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
+into the flat gradient; without grad they come from one ``split``. The cache is
+rebuilt whenever the flat tensor is replaced, changed in place (``_version``),
+re-backed (``.data`` swap, ``module.to()``), frozen or unfrozen, or read under
+another grad or inference mode. Under ``torch.compile`` the cache is skipped
+(compiled code sees plain tensor ops) and the registered module's forward
+splits each group once (:func:`trace_split`).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from enum import IntEnum
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._grad import GradBuffer, _GroupSplit
+from ._layout import GroupLayout
+from ._names import MODULE_STATE_ATTR, registered_storage
+
+__all__ = [
+    "CacheEntry",
+    "GradMode",
+    "GroupViews",
+    "end_trace_split",
+    "make_property",
+    "same_memory",
+    "trace_split",
+]
+
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference = torch.is_inference_mode_enabled
+_MISSING = object()
+
+
+class GradMode(IntEnum):
+    """The autograd mode a view was made under: views of one mode never serve another."""
+
+    NO_GRAD = 0
+    GRAD = 1
+    INFERENCE = 2
+
+
+# Plain ints for the hot path (an enum member costs an attribute lookup per access).
+_NO_GRAD, _GRAD, _INFERENCE = int(GradMode.NO_GRAD), int(GradMode.GRAD), int(GradMode.INFERENCE)
+
+
+def same_memory(a: Tensor, b: Tensor) -> bool:
+    """Return whether ``a`` and ``b`` are the same elements of the same memory."""
+    try:
+        return (
+            a.data_ptr() == b.data_ptr()
+            and a.dtype == b.dtype
+            and a.device == b.device
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+        )
+    except RuntimeError:  # tensors without storage (vmap, functorch wrappers)
+        return a is b
+
+
+class CacheEntry:
+    """The views of one group made for one thread and one :class:`GradMode`.
+
+    Valid while the flat tensor is the same object with the same ``_version``,
+    ``data_ptr()`` and ``requires_grad``.
+
+    Attributes:
+        flat: the flat tensor the views were made of.
+        version: its ``_version`` then.
+        ptr: its ``data_ptr()`` then.
+        chunks: the segments of one ``split`` (``None`` in grad mode: the views
+            are the outputs of one autograd node).
+        views: one view per slot, made on first use (``None`` until then).
+        requires_grad: its ``requires_grad`` then.
+    """
+
+    __slots__ = ("chunks", "flat", "ptr", "requires_grad", "version", "views")
+
+    def __init__(
+        self,
+        flat: Tensor,
+        version: int,
+        ptr: int,
+        chunks: tuple[Tensor, ...] | None,
+        views: list[Tensor | None],
+        requires_grad: bool,
+    ) -> None:
+        self.flat = flat
+        self.version = version
+        self.ptr = ptr
+        self.chunks = chunks
+        self.views = views
+        self.requires_grad = requires_grad
+
+
+class GroupViews:
+    """Views of one group's tensors, read from ``params[flat_name]`` at each access.
+
+    Args:
+        params: the ``_parameters`` dict of the registered module (so that
+            ``functional_call`` and ``using()`` substitutions are seen).
+        flat_name: the key of the group's flat parameter in ``params``.
+        layout: the group's layout.
+    """
+
+    __slots__ = (
+        "_grad_buffer",
+        "_segments",
+        "_shapes",
+        "_split",
+        "_tls",
+        "_traced",
+        "flat_name",
+        "layout",
+        "params",
+    )
+
+    def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
+        self.params = params
+        self.flat_name = flat_name
+        self.layout = layout
+        self._split = list(layout.split_sizes)
+        self._segments = layout.segments
+        self._shapes = layout.shapes
+        self._tls = threading.local()
+        self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
+        self._grad_buffer = GradBuffer()
+
+    @property
+    def grad_buffer(self) -> GradBuffer:
+        """Return the group's flat-gradient memory and hooks (shared by all its split nodes)."""
+        return self._grad_buffer
+
+    def invalidate(self) -> None:
+        """Drop every thread's cached views (they hold the old flat tensor alive)."""
+        self._tls = threading.local()
+
+    def current(self) -> Tensor:
+        """Return the tensor currently registered as the flat parameter."""
+        return self.params[self.flat_name]
+
+    def view(self, index: int) -> Tensor:
+        """Return slot ``index`` as a view of the current flat tensor."""
+        flat = self.params[self.flat_name]
+        if _is_compiling():
+            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
+            # registered module's forward the group was split once (see ``trace_split``).
+            traced = self._traced
+            if traced is not None and traced[0] is flat:
+                chunks = traced[1]
+            else:
+                chunks = flat.split(self._split)
+            return chunks[self._segments[index]].view(self._shapes[index])
+        if _is_grad_enabled():
+            mode = _GRAD
+        else:
+            mode = _INFERENCE if _is_inference() else _NO_GRAD
+        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
+        entry = cache.get(mode)
+        if (
+            entry is None
+            or entry.flat is not flat
+            or entry.version != flat._version
+            or entry.requires_grad is not flat.requires_grad
+        ):
+            return self._rebuild(flat, mode, cache, index)
+        try:
+            if entry.ptr != flat.data_ptr():
+                return self._rebuild(flat, mode, cache, index)
+        except RuntimeError:
+            return self._rebuild(flat, mode, cache, index)
+        views = entry.views
+        view = views[index]
+        if view is None:
+            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+        return view
+
+    def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
+        try:
+            ptr = flat.data_ptr()
+        except RuntimeError:  # vmap's batched tensors have no storage: never cache them
+            return flat.split(self._split)[self._segments[index]].view(self._shapes[index])
+        views: list[Tensor | None]
+        if mode == _GRAD and flat.requires_grad:
+            # One autograd node for the whole group: backward concatenates the
+            # gradients of every view into the flat gradient in one go.
+            chunks = None
+            views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
+        else:
+            chunks = flat.split(self._split)
+            views = [None] * len(self._shapes)
+        entry = cache[mode] = CacheEntry(flat, flat._version, ptr, chunks, views, flat.requires_grad)
+        view = views[index]
+        if view is None:
+            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+        return view
+
+    def split(self, tensor: Tensor) -> list[Tensor]:
+        """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
+        chunks = tensor.split(self._split)
+        return [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
+
+    def trace(self, active: bool) -> None:
+        """Split the current flat tensor once for the traced forward (``active``), or forget that split."""
+        if active:
+            flat = self.params[self.flat_name]
+            self._traced = (flat, flat.split(self._split))
+        else:
+            self._traced = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupViews:
+        new = GroupViews.__new__(GroupViews)
+        memo[id(self)] = new
+        new.params = copy.deepcopy(self.params, memo)
+        new.flat_name = self.flat_name
+        new.layout = self.layout
+        new._split = self._split
+        new._segments = self._segments
+        new._shapes = self._shapes
+        new._tls = threading.local()
+        new._traced = None
+        new._grad_buffer = GradBuffer()
+        return new
+
+    def __getstate__(self) -> None:
+        raise RuntimeError(
+            "a flattened module cannot be pickled (its classes are generated at "
+            "registration); save module.state_dict() or storage.flat_state_dict() "
+            "instead, or call remove_flat_storage first"
+        )
+
+
+def trace_split(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the registered module: under torch.compile, split each group once.
+
+    Every view that the traced forward reads then comes from that one split, so
+    the compiled backward builds each flat gradient with one ``cat``. In eager
+    mode it does nothing (the per-thread cache plays that role).
+    """
+    if _is_compiling():
+        for group in registered_storage(module).groups():
+            group.views.trace(True)
+
+
+def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
+    if _is_compiling():
+        for group in registered_storage(module).groups():
+            group.views.trace(False)
+
+
+def _assignment_error(module: nn.Module, name: str) -> RuntimeError:
+    return RuntimeError(
+        f"cannot assign to {type(module).__name__}.{name}: it is a view of a flat "
+        f"storage and assigning a new tensor would be lost. To write values use "
+        f"`with torch.no_grad(): module.{name}.copy_(value)`; to run with other weights "
+        f"use storage.using(...), storage.unflattened(), or functional_call with the "
+        f"flat parameter's name (flat_param_<group>)"
+    )
+
+
+def make_property(name: str) -> property:
+    """Return the class property that serves attribute ``name`` of a flattened module.
+
+    In unflattened mode the attribute is a real parameter in ``_parameters``
+    and is returned as is; in flat mode it is the slot's view.
+    """
+
+    def fget(module: nn.Module) -> Tensor:
+        param = module._parameters.get(name, _MISSING)
+        if param is not _MISSING:
+            return param  # type: ignore[return-value]
+        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        return group.view(index)
+
+    def fset(module: nn.Module, value: Any) -> None:
+        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        if isinstance(value, Tensor) and same_memory(value, group.view(index)):
+            return
+        raise _assignment_error(module, name)
+
+    return property(fget, fset, doc=f"View of '{name}' in the flat storage.")
