@@ -489,6 +489,7 @@ def _assert_ranks_equal(results: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------ training on 2 and 3 ranks
 
 
+@pytest.mark.slow
 def test_training_equals_one_process_on_the_combined_batch(ranks):
     """AdamW (default, foreach, fused) and SGD with momentum, ZeRO-1 and 2: 5 steps like one process."""
     results = _results(ranks, "training")
@@ -499,6 +500,7 @@ def test_training_equals_one_process_on_the_combined_batch(ranks):
         _assert_ranks_equal(per_rank)
 
 
+@pytest.mark.slow
 def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
     """clip_grad_norm_ (2-norm and inf-norm) returns torch's norm of the averaged gradients (rel 1e-6)."""
     for config, result in _results(ranks, "training")[0].items():
@@ -507,6 +509,7 @@ def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
         assert any(plain_norm > 0.5 for _, plain_norm in result["norms"]), "clipping never happened"
 
 
+@pytest.mark.slow
 def test_schedules_reach_the_inner_optimizer_and_frozen_groups_get_no_state(ranks):
     """An LR scheduler's changes reach the inner optimizer; a frozen flat parameter has no state."""
     for result in _results(ranks, "training")[0].values():
@@ -516,6 +519,7 @@ def test_schedules_reach_the_inner_optimizer_and_frozen_groups_get_no_state(rank
         assert result["frozen_state"] == 0
 
 
+@pytest.mark.slow
 def test_one_buffer_collectives_train_alike(ranks):
     """The reduce_scatter / all_gather path (NCCL's) trains like one process too (run here on gloo)."""
     results = _results(ranks, "one_buffer_collectives")
@@ -525,6 +529,7 @@ def test_one_buffer_collectives_train_alike(ranks):
         _assert_ranks_equal([r[shard] for r in results])
 
 
+@pytest.mark.slow
 def test_buckets_train_alike_and_hold_a_slice_of_state_and_gradients(ranks):
     """Optimizer state per rank is 1/N (+ padding < N per group); ZeRO-2 gradients 1/N, ZeRO-1 whole."""
     world = ranks["world"]
@@ -543,6 +548,7 @@ def test_buckets_train_alike_and_hold_a_slice_of_state_and_gradients(ranks):
         assert zero2["in_flight"] == 1  # one whole bucket gradient at a time during backward
 
 
+@pytest.mark.slow
 def test_mixed_dtypes_get_one_slice_per_group(ranks):
     """A float32 and a float64 group: each slice keeps its dtype; training matches."""
     for result in _results(ranks, "mixed_dtypes"):
@@ -550,6 +556,7 @@ def test_mixed_dtypes_get_one_slice_per_group(ranks):
         _assert_trained_alike(result)
 
 
+@pytest.mark.slow
 def test_no_sync_accumulates_and_the_last_backward_syncs_the_sum(ranks):
     """Micro-batches under no_sync stay local; the next backward averages their sum (ZeRO-1 and 2)."""
     results = _results(ranks, "no_sync")
@@ -559,6 +566,7 @@ def test_no_sync_accumulates_and_the_last_backward_syncs_the_sum(ranks):
             _assert_trained_alike(result[shard], f"shard_gradients={shard}")
 
 
+@pytest.mark.slow
 def test_different_layouts_on_ranks_raise_on_every_rank(ranks):
     """A rank with another layout makes construction raise a ValueError on every rank, no hang."""
     world = ranks["world"]
@@ -567,6 +575,7 @@ def test_different_layouts_on_ranks_raise_on_every_rank(ranks):
         assert f"ranks [{world - 1}] differ from rank 0" in result["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fully_shard", "ZeroRedundancyOptimizer"])
 def test_flattened_model_trains_like_the_plain_one_under_other_engines(two_ranks, engine):
     """FSDP2's fully_shard and ZeroRedundancyOptimizer + DDP train a flattened model like the plain one."""
@@ -592,18 +601,21 @@ def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
             )
 
 
+@pytest.mark.slow
 def test_state_dict_is_the_single_process_format_on_every_rank(two_ranks):
     """state_dict() after 3 steps equals a single-process optimizer's over the same flat model."""
     for result in _results(two_ranks, "checkpoint"):
         _assert_same_state(result["gathered"], result["single"])
 
 
+@pytest.mark.slow
 def test_state_dict_converts_to_the_plain_models_format(two_ranks):
     """plain_optim_state_dict turns the gathered state into the plain model's optimizer state."""
     result = _results(two_ranks, "checkpoint")[0]
     _assert_same_state(result["as_plain"], result["plain"])
 
 
+@pytest.mark.slow
 def test_resharding_2_to_3_continues_like_an_uninterrupted_run(three_ranks):
     """The 2-rank checkpoint (gathered or sharded) resumed on 3 ranks gives the uninterrupted step."""
     uninterrupted = _results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][0]
@@ -622,6 +634,7 @@ def world1() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_resharding_3_to_1_continues_like_an_uninterrupted_run(three_ranks, world1):
     """The 3-rank checkpoint of step 4 resumed in one process gives the uninterrupted step 5."""
     outdir = three_ranks["outdir"]
@@ -641,6 +654,7 @@ def test_resharding_3_to_1_continues_like_an_uninterrupted_run(three_ranks, worl
             torch.testing.assert_close(values(model)[key], value, rtol=1e-6, atol=1e-6, msg=f"{how} {key}")
 
 
+@pytest.mark.slow
 def test_failing_rank_does_not_hang_the_others(two_ranks):
     """A rank that raises fails the launch; the other's construction raises after the group's timeout."""
     assert "ValueError: rank 1 fails on purpose" in two_ranks["failure"]
