@@ -306,14 +306,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         if storage.grad_sync().state is not None:
             raise RuntimeError(_TWICE)
+        index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
+        if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
+            return
         task = _graph_task_id()
         if self._task != task:
             self._begin(task)
             _queue_callback(self._backward_end)
-        index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
-        if index is not None:
-            self._ready.add(index)
-            self._launch(final=False)
+        self._ready.add(index)
+        self._launch(final=False)
 
     def _launch(self, final: bool) -> None:
         """Start the reductions next in storage order that are ready (every one if ``final``)."""
