@@ -163,7 +163,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._by_owner = not self._nccl
         #: This rank's slices, in storage order (the order collectives start in, on every rank).
         self._shards: list[Shard] = []
-        self._handles: list[Any] = []
         self._begin(None)
         self._building = True
         inner_groups = [{**g, "params": self._new_shards(storage, g["params"])} for g in groups]
@@ -255,7 +254,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ref = weakref.ref(self)
         for shard in self._shards:
             if shard.hooked is not shard.flat:
-                self._handles.append(shard.flat.register_post_accumulate_grad_hook(_ready_hook(ref)))
+                shard.flat.register_post_accumulate_grad_hook(_ready_hook(ref))  # inert once self is gone
                 shard.hooked = shard.flat
                 _CLAIMS[id(shard.flat)] = (weakref.ref(shard.flat), ref)
             if self._shard_gradients:
