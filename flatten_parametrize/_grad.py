@@ -110,13 +110,16 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
 
     @staticmethod
     def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:
-        # Views of a detached alias, not of the input itself: autograd then wraps each
-        # output cheaply (about 4 us instead of 20), and in-place changes to an output are
-        # still refused, as for the outputs of any function that returns several views.
+        # Detached views of the buffer: they alias it and share its version counter, but
+        # autograd sees plain outputs, not views of a function that returns several views.
+        # So the outputs stay usable after in-place updates of the buffer (an optimizer
+        # step): the cache serves them until the buffer is replaced, and autograd's own
+        # check still refuses a backward whose saved weights were changed in place, with
+        # the plain model's message. Wrapping a plain output is also cheap for autograd.
         chunks = flat.detach().split(layout.split_sizes)
         # One-dimensional slots already have their shape: skip a view (a few us each).
         return tuple(
-            chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)
+            (chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)).detach()
             for seg, shape in zip(layout.segments, layout.shapes)
         )
 

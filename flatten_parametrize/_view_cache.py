@@ -5,12 +5,16 @@ pass (per thread, per grad mode) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
 (``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
-into the flat gradient; without grad they come from one ``split``. The cache is
-rebuilt whenever the flat tensor is replaced, changed in place (``_version``),
-re-backed (``.data`` swap, ``module.to()``), frozen or unfrozen, or read under
-another grad or inference mode. Under ``torch.compile`` the cache is skipped
-(compiled code sees plain tensor ops) and the registered module's forward
-splits each group once (:func:`trace_split`).
+into the flat gradient; without grad they come from one ``split`` of a
+detached alias, which records nothing. Either way every view aliases the
+buffer and shares its version counter, so views stay valid across in-place
+updates (optimizer steps) while autograd still refuses a backward whose saved
+weights were changed in place. The cache is rebuilt whenever the flat tensor is
+replaced or re-backed (``.data`` swap, ``module.to()``), and in grad mode when
+it is frozen or unfrozen. Each grad and inference mode and each thread has
+views of its own. Under ``torch.compile`` the cache is skipped (compiled code
+sees plain tensor ops) and the registered module's forward splits each group
+once (:func:`trace_split`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ __all__ = [
 ]
 
 _is_compiling = torch.compiler.is_compiling
+# A quarter of the cost of ``is_compiling()`` on the hot path. Other tracers (make_fx, a
+# non-strict ``torch.export``) run the eager path with fake tensors, which have no
+# ``data_ptr()``: those are never cached either (see ``GroupViews._uncached``).
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
 _MISSING = object()
@@ -72,36 +80,41 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
 class CacheEntry:
     """The views of one group made for one thread and one :class:`GradMode`.
 
-    Valid while the flat tensor is the same object with the same ``_version``,
-    ``data_ptr()`` and ``requires_grad``.
+    Valid while the flat tensor is the same object with the same
+    ``data_ptr()`` and, in grad mode, the same ``requires_grad`` and while the
+    view served still has the node's history (an in-place change of a view
+    under grad mode adds to it). In-place updates of the buffer do not
+    invalidate it: every view aliases the buffer and shares its version
+    counter (see ``_GroupSplit``).
 
     Attributes:
         flat: the flat tensor the views were made of.
-        version: its ``_version`` then.
         ptr: its ``data_ptr()`` then.
         chunks: the segments of one ``split`` (``None`` in grad mode: the views
             are the outputs of one autograd node).
-        views: one view per slot, made on first use (``None`` until then).
+        views: one view per slot; without grad made on first use (``None``
+            until then).
         requires_grad: its ``requires_grad`` then.
+        node: the ``grad_fn`` of the views (``None`` without grad or for a
+            frozen buffer).
     """
 
-    __slots__ = ("chunks", "flat", "ptr", "requires_grad", "version", "views")
+    __slots__ = ("chunks", "flat", "node", "ptr", "requires_grad", "views")
 
     def __init__(
         self,
         flat: Tensor,
-        version: int,
         ptr: int,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
-        requires_grad: bool,
     ) -> None:
         self.flat = flat
-        self.version = version
         self.ptr = ptr
         self.chunks = chunks
         self.views = views
-        self.requires_grad = requires_grad
+        self.requires_grad = flat.requires_grad
+        first = views[0] if views else None
+        self.node = None if first is None else first.grad_fn
 
 
 class GroupViews:
@@ -153,58 +166,71 @@ class GroupViews:
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
         flat = self.params[self.flat_name]
-        if _is_compiling():
-            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
-            # registered module's forward the group was split once (see ``trace_split``).
-            traced = self._traced
-            if traced is not None and traced[0] is flat:
-                chunks = traced[1]
-            else:
-                chunks = flat.split(self._split)
-            return chunks[self._segments[index]].view(self._shapes[index])
+        if _is_dynamo_compiling():
+            return self._uncached(flat, index)
+        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
         if _is_grad_enabled():
             mode = _GRAD
+            entry = cache.get(_GRAD)
+            if (
+                entry is None
+                or entry.flat is not flat
+                or entry.requires_grad is not flat.requires_grad
+                # A view changed in place under grad mode carries that change in its
+                # history: serving it again would differentiate through it every pass.
+                or entry.views[index].grad_fn is not entry.node  # type: ignore[union-attr]
+            ):
+                return self._rebuild(flat, mode, cache, index)
         else:
             mode = _INFERENCE if _is_inference() else _NO_GRAD
-        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
-        entry = cache.get(mode)
-        if (
-            entry is None
-            or entry.flat is not flat
-            or entry.version != flat._version
-            or entry.requires_grad is not flat.requires_grad
-        ):
-            return self._rebuild(flat, mode, cache, index)
+            entry = cache.get(mode)
+            if entry is None or entry.flat is not flat:
+                return self._rebuild(flat, mode, cache, index)
         try:
             if entry.ptr != flat.data_ptr():
                 return self._rebuild(flat, mode, cache, index)
         except RuntimeError:
             return self._rebuild(flat, mode, cache, index)
-        views = entry.views
-        view = views[index]
+        view = entry.views[index]
         if view is None:
-            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            view = entry.views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
 
     def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
         try:
             ptr = flat.data_ptr()
-        except RuntimeError:  # vmap's batched tensors have no storage: never cache them
-            return flat.split(self._split)[self._segments[index]].view(self._shapes[index])
+        except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
+            return self._uncached(flat, index)
         views: list[Tensor | None]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
             views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
+        elif mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
+            chunks = flat.detach().split(self._split)
+            views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
         else:
-            chunks = flat.split(self._split)
+            # Views of a detached alias record no autograd history, so they stay
+            # usable after in-place updates of the buffer (a view of the parameter
+            # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
+            chunks = flat.detach().split(self._split)
             views = [None] * len(self._shapes)
-        entry = cache[mode] = CacheEntry(flat, flat._version, ptr, chunks, views, flat.requires_grad)
+        entry = cache[mode] = CacheEntry(flat, ptr, chunks, views)
         view = views[index]
         if view is None:
             view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
         return view
+
+    def _uncached(self, flat: Tensor, index: int) -> Tensor:
+        """Return slot ``index`` with plain tensor ops: no cache, no version guard (for tracers).
+
+        Inside the registered module's forward under ``torch.compile`` the group
+        was split once (see :func:`trace_split`): every view comes from that split.
+        """
+        traced = self._traced
+        chunks = traced[1] if traced is not None and traced[0] is flat else flat.split(self._split)
+        return chunks[self._segments[index]].view(self._shapes[index])
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""

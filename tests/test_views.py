@@ -383,3 +383,104 @@ def test_hessian_vector_product_through_the_flat_parameter_matches_plain():
     plain_hvp = torch.autograd.grad((parameters_to_vector(plain_grads) * vector).sum(), params)
     torch.testing.assert_close(grad.detach(), parameters_to_vector(plain_grads).detach())
     torch.testing.assert_close(hvp, parameters_to_vector(plain_hvp))
+
+
+# ------------------------------------------- views without grad across in-place updates
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_views_without_grad_are_kept_across_in_place_updates_and_follow_them(mode):
+    """Under no_grad and inference_mode an in-place update of the buffer rebuilds nothing; values follow."""
+    model = mlp(2)
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    x = torch.randn(4, 5)
+    with context():
+        before = model[0].weight
+    for module, optimizer in ((model, opt), (plain, plain_opt)):
+        module(x).pow(2).sum().backward()
+        optimizer.step()  # in place, in grad mode
+    with torch.no_grad():
+        storage["0"].add_(0.25)  # in place, without grad
+        for p in plain.parameters():
+            p.add_(0.25)
+    with context():
+        after = model[0].weight
+        assert after is before  # served from the cache: no split, no view rebuilt
+        assert after.grad_fn is None and not after.requires_grad
+        torch.testing.assert_close(after, plain[0].weight)
+        torch.testing.assert_close(model(x), plain(x))
+
+
+def test_grad_mode_views_are_kept_across_in_place_updates_and_train_like_plain():
+    """Optimizer steps rebuild no view in grad mode; losses and gradients equal the plain model's."""
+    model = mlp(2)
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model)
+    before = model[0].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(4, 5)
+    for _ in range(3):
+        for module, optimizer in ((model, opt), (plain, plain_opt)):
+            optimizer.zero_grad()
+            loss = module(x).pow(2).sum()
+            loss.backward()
+            optimizer.step()
+        assert torch.equal(model(x), plain(x).detach()) or torch.allclose(model(x), plain(x), atol=1e-6)
+        torch.testing.assert_close(dict(storage.named_grads())["0.weight"], plain[0].weight.grad)
+    assert model[0].weight is before  # the same view, following the updated buffer
+    torch.testing.assert_close(before.detach(), plain[0].weight.detach())
+
+
+def test_in_place_on_a_grad_mode_view_lands_in_the_buffer_with_its_gradient():
+    """An in-place change of a served view in grad mode writes the buffer; later passes train like plain."""
+    model = mlp(1)
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model)
+    weight = model[0].weight
+    weight.mul_(2.0)  # plain refuses this on a leaf; here it is recorded like on any non-leaf
+    with torch.no_grad():
+        plain[0].weight.mul_(2.0)
+    torch.testing.assert_close(storage["0"].detach()[:25].view(5, 5), plain[0].weight.detach())
+    assert model[0].weight is not weight  # its history grew: the next access serves a fresh view
+    x = torch.randn(3, 5)
+    model(x).pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    for name, grad in storage.named_grads():
+        torch.testing.assert_close(grad, dict(plain.named_parameters())[name].grad)
+
+
+def test_an_optimizer_step_between_forward_and_backward_raises_as_for_the_plain_model():
+    """Autograd's saved-tensor version check fires on the flattened model where it fires on the plain one."""
+    model = mlp(2)
+    plain = copy.deepcopy(model)
+    register_flat_storage(model)
+    x = torch.randn(4, 5)
+    for module in (plain, model):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        with torch.no_grad():  # warm the no_grad cache: it must not hide the update from autograd
+            module(x)
+        loss = module(x).pow(2).sum()
+        module(x).pow(2).sum().backward()
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_views_without_grad_are_rebuilt_when_the_buffer_is_replaced():
+    """A .data swap, a conversion or a new flat tensor still rebuilds the cached no_grad views."""
+    model = mlp(1)
+    storage = register_flat_storage(model)
+    with torch.no_grad():
+        before = model[0].weight
+        storage["0"].data = torch.full_like(storage["0"], 3.0)
+        assert model[0].weight is not before and model[0].weight.eq(3.0).all()
+        model.double()
+        assert model[0].weight.dtype == torch.float64
+        with storage.using([torch.zeros(30, dtype=torch.float64)]):
+            assert model[0].weight.eq(0.0).all()
+        assert model[0].weight.eq(3.0).all()
