@@ -41,7 +41,10 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "access": ("benchmarks.bench_access", "cost of one layer.weight access"),
     "eval": ("benchmarks.bench_eval", "TransformerEncoder eval and train passes, one process per contender"),
     "ddp": ("benchmarks.bench_ddp", "data-parallel gradient sync (benchmarks/bench_ddp.py)"),
+    "zero": ("benchmarks.bench_zero", "sharded optimizers, ZeRO-1/2 (benchmarks/bench_zero.py)"),
 }
+#: Workloads that are scripts of their own (``main(argv)``, process pairs); left out of ``--quick``.
+SCRIPTS = ("ddp", "zero")
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_PREFACE = """
 Written by `python -m benchmarks --save-results` (see `python -m benchmarks --help`). Every
@@ -85,8 +88,10 @@ def _selected(only: list[str] | None, quick: bool) -> tuple[list[str], list[str]
     if only is None:
         names = list(WORKLOADS)
         if quick:
-            names.remove("ddp")
-            return names, ["ddp: skipped in --quick (run `python -m benchmarks --only ddp --quick`)"]
+            names = [n for n in names if n not in SCRIPTS]
+            return names, [
+                f"{n}: skipped in --quick (run `python -m benchmarks --only {n} --quick`)" for n in SCRIPTS
+            ]
         return names, []
     names = [n.strip() for item in only for n in item.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -143,12 +148,12 @@ def header(threads: int, quick: bool, argv: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _run_ddp(quick: bool) -> str:
-    """Run ``benchmarks/bench_ddp.py`` (its own script with ``main(argv)``) and return its output."""
+def _run_script(name: str, quick: bool) -> str:
+    """Run a workload that is a script of its own (``main(argv)``) and return its output."""
     try:
-        module = importlib.import_module(WORKLOADS["ddp"][0])
+        module = importlib.import_module(WORKLOADS[name][0])
     except ImportError as error:
-        return f"ddp: not available ({error})"
+        return f"{name}: not available ({error})"
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         module.main(["--quick"] if quick else [])
@@ -199,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(title, flush=True)
         sections.append(title)
         try:
-            if name == "ddp":
-                text = _run_ddp(args.quick)
+            if name in SCRIPTS:
+                text = _run_script(name, args.quick)
             else:
                 report = importlib.import_module(WORKLOADS[name][0]).run(settings)
                 checks += report.checks

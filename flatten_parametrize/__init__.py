@@ -11,6 +11,7 @@ from ._attach_optim import OptimizerAttachment
 from ._decay import weight_decay_groups
 from ._flat_parameter import FlatParameter
 from ._optim import flat_optim_state_dict, plain_optim_state_dict
+from ._sharded import ShardedOptimizer
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
@@ -26,6 +27,8 @@ __all__ = [
     "flat_optim_state_dict",
     "plain_optim_state_dict",
     "OptimizerAttachment",
+    # ZeRO-1/2 over the flat buffers
+    "ShardedOptimizer",
     # types
     "FlatStorage",
     "FlatParameter",

@@ -58,7 +58,7 @@ class GradBuffer:
     or the module (it is reachable from autograd nodes).
     """
 
-    __slots__ = ("_kept", "_lock", "hooks")
+    __slots__ = ("_kept", "_lock", "hooks", "keep")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -67,6 +67,8 @@ class GradBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: list[torch.UntypedStorage] = []
+        #: How many buffers to keep (``0``: every flat gradient is fresh memory, freed with it).
+        self.keep = self.KEEP
         #: The group's flat-gradient hooks, in registration order (a tuple: read without a lock).
         self.hooks: tuple[FlatGradHook, ...] = ()
 
@@ -84,12 +86,12 @@ class GradBuffer:
             return torch.empty(numel, dtype=dtype, device=device)
         nbytes = numel * dtype.itemsize
         with self._lock:
-            self._kept = [s for s in self._kept if s.nbytes() == nbytes]  # forget other layouts
+            self._kept = [s for s in self._kept if s.nbytes() == nbytes][: self.keep]  # forget other layouts
             for kept in self._kept:
                 if torch._C._storage_Use_Count(kept._cdata) == 1:
                     return torch.empty(0, dtype=dtype, device=device).set_(kept, 0, (numel,), (1,))
             out = torch.empty(numel, dtype=dtype, device=device)
-            if len(self._kept) < self.KEEP:
+            if len(self._kept) < self.keep:
                 self._kept.append(out.untyped_storage())
             return out
 

@@ -137,6 +137,10 @@ class FlatStorage:
         """Return the record of each flattened slot, in group and layout order (internal read API)."""
         return self._slots
 
+    def grad_sync(self) -> GradSync:
+        """Return the data-parallel feature: ``state`` (``None``: sync off), ``no_sync_depth`` (internal)."""
+        return self._grad_sync
+
     def add_feature(self, feature: Feature) -> None:
         """Have the coordinator drive ``feature``'s lifecycle (internal: see ``_features.py``)."""
         self._added.append(feature)

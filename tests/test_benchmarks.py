@@ -93,6 +93,30 @@ def test_ddp_benchmark_quick_run_times_every_contender_in_its_own_processes(tmp_
     assert "Target `flat, buckets` / DDP <= 1.00:" in done.stdout
 
 
+def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_path: Path) -> None:
+    """`benchmarks/bench_zero.py --quick` times each contender in its own processes and prints the targets."""
+    done = _run(["benchmarks/bench_zero.py", "--quick", "--timeout", "240"], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert rows == [
+        "DDP + AdamW",
+        "flat buckets + AdamW",
+        "ShardedOptimizer ZeRO-1",
+        "ShardedOptimizer ZeRO-2",
+        "ZeroRedundancyOptimizer + DDP",
+        "FSDP2 fully_shard",
+    ]
+    assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
+
+
+def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:
+    """`bench_zero.py --collectives 2 --quick` prints one row per way of gathering and reducing slices."""
+    done = _run(["benchmarks/bench_zero.py", "--quick", "--collectives", "2"], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| gather", "| reduce"))]
+    assert len(rows) == 6 and sum("used on gloo" in row for row in rows) == 2
+
+
 def test_ddp_benchmark_reports_a_rank_that_ends_instead_of_waiting(tmp_path: Path) -> None:
     """A rank that exits before answering raises with its exit code and last output."""
     sys.path.insert(0, str(ROOT))

@@ -1,0 +1,96 @@
+"""Argument checks of ShardedOptimizer: the optimizer class and the param groups."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ._storage import FlatStorage
+
+__all__ = ["ALLOWED_OPTIMIZERS", "check_class", "hyperparameters", "param_groups"]
+
+#: Optimizers whose update of an element depends only on that element's gradient and state
+#: (so that a slice cut through parameters is stepped exactly like the whole).
+ALLOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.RMSprop,
+)
+#: Optimizers that are never element-wise: refused even with ``allow_unlisted=True``.
+_NEVER = (torch.optim.LBFGS, torch.optim.SparseAdam)
+
+
+def check_class(optimizer_class: Any, allow_unlisted: bool) -> None:
+    """Refuse anything but an element-wise ``torch.optim.Optimizer`` class."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"ShardedOptimizer: optimizer_class must be a torch.optim.Optimizer subclass; got "
+            f"{type(optimizer_class).__name__} {optimizer_class!r}; pass the class, e.g. torch.optim.AdamW"
+        )
+    allowed = ", ".join(c.__name__ for c in ALLOWED_OPTIMIZERS)
+    if issubclass(optimizer_class, _NEVER):
+        raise ValueError(
+            f"ShardedOptimizer: {optimizer_class.__name__} is not element-wise (it needs whole tensors), so "
+            f"its state cannot be cut into slices; use one of {allowed}"
+        )
+    if optimizer_class not in ALLOWED_OPTIMIZERS and not allow_unlisted:
+        raise ValueError(
+            f"ShardedOptimizer steps slices cut through parameters, so it takes element-wise optimizers "
+            f"only: {allowed}; got {optimizer_class.__qualname__}; pass allow_unlisted=True if you know that "
+            "its update of each element uses only that element's gradient and state"
+        )
+
+
+def param_groups(storage: FlatStorage, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
+    """Return ``params`` as param-group dicts over flat parameters of ``storage`` (checked)."""
+    flats = storage.flat_params
+    if params is None:
+        params = [{"params": list(flats)}]
+    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"ShardedOptimizer: params must be None or an iterable of flat parameters or of param-group "
+            f"dicts; got {type(params).__name__}; pass e.g. [{{'params': [storage['0']]}}]"
+        )
+    items = list(params)
+    if items and not isinstance(items[0], Mapping):
+        items = [{"params": items}]
+    groups, seen = [], list(taken)
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or "params" not in item:
+            raise TypeError(
+                f"ShardedOptimizer: param group {i} must be a dict with a 'params' list; got "
+                f"{type(item).__name__}; pass e.g. {{'params': [storage['0']], 'lr': 0.1}}"
+            )
+        members = item["params"]
+        members = [members] if isinstance(members, Tensor) else list(members)
+        for p in members:
+            if not any(p is f for f in flats):
+                what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
+                raise ValueError(
+                    f"ShardedOptimizer: every parameter must be a flat parameter of the storage (one of "
+                    f"{['flat_param_' + n for n in storage.group_names]}); got {what} in param group {i}; "
+                    "pass storage[group name] or storage.flat_params"
+                )
+            if any(p is q for q in seen):
+                name = storage.group_names[next(g for g, f in enumerate(flats) if f is p)]
+                raise ValueError(
+                    f"ShardedOptimizer: flat parameter of group {name!r} appears in more than one "
+                    "param group (or is already optimized); list each flat parameter once"
+                )
+            seen.append(p)
+        groups.append({**item, "params": members})
+    return groups
+
+
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a param group's hyperparameters (everything but ``params``)."""
+    return {k: v for k, v in group.items() if k != "params"}
