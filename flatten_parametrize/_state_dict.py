@@ -137,6 +137,8 @@ def _alias(destination: Any, slot: tuple[Any, int], value: Tensor) -> Tensor:
     ``_alias.py``); the names of a tied slot get the same tensor, as the plain
     module's state dict gives them the same memory.
     """
+    if type(value) is not Tensor or value.is_meta:
+        return value  # a tensor subclass (FSDP2's DTensor, ...) has no storage of ours to split
     storage = value.untyped_storage()
     if value.data_ptr() == storage.data_ptr() and value.nbytes == storage.nbytes():
         return value  # already covers its storage (a reassigned parameter in unflattened mode)
