@@ -83,6 +83,14 @@ def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assig
     return storage.load_via(base, state_dict, strict=strict, assign=assign)
 
 
+def register_parameter(self: nn.Module, name: str, param: Any) -> None:
+    state = _state(self)
+    base = _super(self).register_parameter
+    if state is None:
+        return base(name, param)
+    state.storage.register_via(self, base, name, param)
+
+
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
     storage = registered_storage(self)
     base = _super(self)._apply
@@ -95,6 +103,9 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
         return found
+    state = _state(self)
+    if state is not None:
+        state.storage.sync_writes()  # a `.data` write not landed yet lives in a cached view only
     base_copy = getattr(base_of(self), "__deepcopy__", None)
     if base_copy is not None:
         replica = base_copy(self, memo)
@@ -118,14 +129,25 @@ def _getstate(self: nn.Module) -> Any:
     )
 
 
+def _prepare_scriptable(self: nn.Module) -> nn.Module:
+    raise RuntimeError(
+        f"torch.jit.script cannot compile {type(self).__name__}: it is part of a flattened module, "
+        "whose attributes are served by the flat storage. Script a plain copy instead "
+        "(copy = copy.deepcopy(model); remove_flat_storage(copy); torch.jit.script(copy)), "
+        "or use torch.jit.trace on the registered module, which reads the flat parameters"
+    )
+
+
 METHODS: dict[str, Any] = {
     _MARKER: True,
     "_save_to_state_dict": _save_to_state_dict,
     "_load_from_state_dict": _load_from_state_dict,
     "load_state_dict": load_state_dict,
+    "register_parameter": register_parameter,
     "_apply": _apply,
     "__deepcopy__": _deepcopy,
     "__getstate__": _getstate,
+    "__prepare_scriptable__": _prepare_scriptable,
 }
 
 _SKIP = ("__dict__", "__weakref__")

@@ -146,6 +146,17 @@ class Coordinator(Protocol):
     def flat_buffers_replaced(self) -> None:
         """Tell the coordinator (and every feature) that flat buffers were swapped (``.data``)."""
 
+    def sync_writes(self) -> None:
+        """Land (or refuse) the writes made around the views since the last call."""
+
+    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
+        """What ``module.<attr>`` serves when its ``_parameters`` holds ``attr``."""
+
+    def register_via(
+        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
+    ) -> None:
+        """Run ``module.register_parameter`` (``base``) on a module the storage changed."""
+
     def stage_loaded(self, loaded: list[StagedValue]) -> None:
         """Take values that a module's ``_load_from_state_dict`` read, to commit them all at once."""
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ._names import flat_layout_name, registered_storage
 from ._records import Coordinator, Group, ModuleState, StagedValue
+from ._writes import land_direct_writes
 
 __all__ = [
     "Snapshot",
@@ -80,6 +81,10 @@ def save_module(
     if state is None or not state.storage.is_flattened:
         base_save(destination, prefix, keep_vars)
         return
+    if registered_storage(module) is state.storage:
+        state.storage.sync_writes()  # the whole tree's pending writes, once per state_dict()
+    else:
+        land_direct_writes([(module, state)])
     own: OrderedDict[str, Any] = OrderedDict()
     base_save(own, prefix, keep_vars)
     root: Coordinator | None = registered_storage(module)

@@ -30,14 +30,15 @@ from ._flat_parameter import FlatParameter
 from ._functional import Functional, StackedTensors
 from ._inspect import storage_html, storage_repr, summary_table
 from ._layout import GroupLayout
-from ._names import flat_layout_name, flat_param_name, registered_storage
+from ._names import MODULE_STATE_ATTR, flat_layout_name, flat_param_name, registered_storage
 from ._offload import DiskOffload
 from ._per_group import per_group
 from ._plot import plot_layout
-from ._records import Group, ParamInfo, Slot, StagedValue
+from ._records import Group, ModuleState, ParamInfo, Slot, StagedValue
 from ._state_dict import Snapshot, commit_staged, layout_record
 from ._transaction import Transaction, atomically
 from ._view_cache import GroupViews, same_memory
+from ._writes import check_flat_replacement, land_direct_writes, land_parameter, watch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -82,7 +83,7 @@ class FlatStorage:
         for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
             flat_name = flat_param_name(name)
             members = tuple(slot for slot in self._slots if slot.group_index == index)
-            views = GroupViews(module._parameters, flat_name, layout)
+            views = GroupViews(module._parameters, flat_name, layout, tuple(slot.name for slot in members))
             groups.append(Group(index, name, flat_name, layout, views, flat, members))
         self._groups = tuple(groups)
         self._flattened = True
@@ -90,6 +91,8 @@ class FlatStorage:
         self._using_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self._pending: list[StagedValue] | None = None
+        #: The modules this storage changed, with their state (found on first use).
+        self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
         self._functional = Functional(self)
@@ -118,6 +121,7 @@ class FlatStorage:
     @property
     def flat_params(self) -> list[FlatParameter]:
         """Return the flat parameters, one per group, in group order."""
+        self.sync_writes()
         return [group.flat for group in self._groups]
 
     @property
@@ -148,7 +152,8 @@ class FlatStorage:
             )
         for record in self._groups:
             if record.name == group:
-                return record.flat
+                self.sync_writes()
+                return self._groups[record.index].flat
         raise KeyError(f"no group {group!r} in this flat storage; groups are {self.group_names}")
 
     def __len__(self) -> int:
@@ -199,6 +204,7 @@ class FlatStorage:
             >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
             [('weight', (3, 2)), ('bias', (3,))]
         """
+        self.sync_writes()
         modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
             for name in self._names(slot, remove_duplicate):
@@ -226,6 +232,7 @@ class FlatStorage:
             for name, param in self.named_views(remove_duplicate):
                 yield name, param.grad
             return
+        self.sync_writes()
         grads = [group.grad_views() for group in self._groups]
         for slot in self._slots:
             split = grads[slot.group_index]
@@ -346,6 +353,7 @@ class FlatStorage:
                 "cannot unflatten inside storage.using(...): the views are served from the "
                 "given tensors; leave the using() block first"
             )
+        self.sync_writes()
         atomically(self._unflatten)
         self._invalidate()
 
@@ -430,6 +438,105 @@ class FlatStorage:
     def _invalidate(self) -> None:
         surgery.invalidate(self._groups)
 
+    # ------------------------------------------------------------ write paths
+    def _owner_states(self) -> list[tuple[nn.Module, ModuleState]]:
+        """Return every module this storage changed, with its state (cached after the first walk)."""
+        if self._owners is None:
+            self._owners = [
+                (weakref.ref(module), state)
+                for module in {id(m): m for m in self.module.modules()}.values()
+                if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
+                and state.storage is self
+            ]
+        return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
+
+    def sync_writes(self) -> None:
+        """Land the writes made around the views since the last call, or refuse them.
+
+        A replaced flat parameter (``module.flat_param_0 = p``,
+        ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
+        into a flattened module's ``_parameters`` and tensors assigned to a
+        view's ``.data`` are copied into their slots (see ``_writes.py``).
+        Internal: the registered module's forward, state dicts, toggles,
+        loading and removal call it. Does nothing in unflattened mode.
+
+        Raises:
+            RuntimeError: for a write that cannot land (it is undone).
+        """
+        root = self._root_ref()
+        if root is None or registered_storage(root) is not self:
+            return  # detached
+        if not self._flattened or self._pending is not None:
+            return
+        if not self._using_depth:
+            params = root._parameters
+            replaced = False
+            for group in self._groups:
+                current = params.get(group.flat_name)
+                substitute = isinstance(current, Tensor) and not isinstance(current, nn.Parameter)
+                if current is group.flat or substitute:  # substitute: functional_call
+                    continue
+                try:
+                    check_flat_replacement(group, current)
+                except RuntimeError:
+                    params[group.flat_name] = group.flat
+                    raise
+                replaced = True
+            if replaced:
+                self._adopt_flat_params()
+        land_direct_writes(self._owner_states())
+        for group in self._groups:
+            group.views.sync()
+
+    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
+        """Return what ``module.<attr>`` serves when its ``_parameters`` holds ``attr``.
+
+        In unflattened mode (and while a load stages values) that parameter; in
+        flat mode it was put there around the view: it lands in the slot (or is
+        refused) and the view is served. Internal: the attribute's property calls it.
+        """
+        if not self._flattened or self._pending is not None:
+            return param
+        state: ModuleState = module.__dict__[MODULE_STATE_ATTR]
+        land_parameter(module, state, attr, param)
+        views, index = state.slots[attr]
+        return views.view(index)
+
+    def register_via(
+        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
+    ) -> None:
+        """Run ``module.register_parameter(name, param)`` (``base``) on a module this storage changed.
+
+        A flat parameter's name adopts ``param`` as the group's flat parameter;
+        a flattened attribute's name (flat mode) copies the values into its
+        slot; anything else is torch's. Internal: the injected class calls it.
+
+        Raises:
+            RuntimeError: if ``param`` cannot take that place (nothing changed).
+        """
+        group = next((g for g in self._groups if g.flat_name == name), None)
+        if group is not None and registered_storage(module) is self:
+            if not self._flattened or self._using_depth:
+                raise RuntimeError(
+                    f"cannot replace {name} in unflattened mode or inside using(): the flat "
+                    "parameter is not served there; call storage.flatten() (or leave using()) first"
+                )
+            check_flat_replacement(group, param)
+            base(name, param)
+            self._adopt_flat_params()
+            return
+        state = module.__dict__.get(MODULE_STATE_ATTR)
+        if (
+            self._flattened
+            and self._pending is None
+            and isinstance(state, ModuleState)
+            and name in state.slots
+            and name not in module._parameters
+        ):
+            land_parameter(module, state, name, param)
+            return
+        base(name, param)
+
     def flat_buffers_replaced(self) -> None:
         """Re-point the originals and views after flat buffers were swapped; notify every feature.
 
@@ -472,6 +579,7 @@ class FlatStorage:
             out = fn(tensor)
             return out.detach() if type(out) is FlatParameter else out
 
+        self.sync_writes()
         with in_flat_mode(self):
             try:
                 return base(convert, recurse)
@@ -496,6 +604,7 @@ class FlatStorage:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         flat_mode = self._flattened
+        self.sync_writes()
         snapshot = Snapshot(self.module, {id(group.flat) for group in self._groups} if flat_mode else set())
         self._pending = [] if flat_mode else None
         try:
@@ -593,6 +702,7 @@ class FlatStorage:
         new._flattened = self._flattened
         new._using_depth = 0
         new._pending = None
+        new._owners = None
         new._grad_sync = self._grad_sync.copy_for(new, memo)
         new._disk = self._disk.copy_for(new, memo)
         new._functional = self._functional.copy_for(new, memo)
@@ -988,10 +1098,13 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
 def install_storage(storage: FlatStorage) -> None:
     """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
     atomically(lambda tx: surgery.install(storage, tx))
+    watch(storage)
 
 
 def remove_storage(storage: FlatStorage) -> None:
     """Undo the registration of ``storage``: plain parameters with the current values (atomically)."""
+
+    storage.sync_writes()
 
     def change(tx: Transaction) -> None:
         storage._flatten(tx)

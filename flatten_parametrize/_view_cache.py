@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from enum import IntEnum
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.jit import _trace as _jit_trace
 
 from ._grad import GradBuffer, _GroupSplit
 from ._layout import GroupLayout
@@ -40,6 +42,7 @@ __all__ = [
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
+_is_tracing = torch._C._is_tracing
 _MISSING = object()
 
 
@@ -73,7 +76,12 @@ class CacheEntry:
     """The views of one group made for one thread and one :class:`GradMode`.
 
     Valid while the flat tensor is the same object with the same ``_version``,
-    ``data_ptr()`` and ``requires_grad``.
+    ``data_ptr()`` and ``requires_grad``. Each view's ``data_ptr()`` is kept
+    too: a view whose ``.data`` was assigned points elsewhere, and the group
+    lands the assigned values in the flat tensor (:meth:`GroupViews.sync`, run
+    by the registered module's forward, state dicts, optimizer steps, toggles,
+    and before the entry is rebuilt). The hot path does not check it: until
+    then, that view itself serves the assigned tensor.
 
     Attributes:
         flat: the flat tensor the views were made of.
@@ -82,10 +90,11 @@ class CacheEntry:
         chunks: the segments of one ``split`` (``None`` in grad mode: the views
             are the outputs of one autograd node).
         views: one view per slot, made on first use (``None`` until then).
+        ptrs: the ``data_ptr()`` of each view when it was made.
         requires_grad: its ``requires_grad`` then.
     """
 
-    __slots__ = ("chunks", "flat", "ptr", "requires_grad", "version", "views")
+    __slots__ = ("__weakref__", "chunks", "flat", "ptr", "ptrs", "requires_grad", "version", "views")
 
     def __init__(
         self,
@@ -94,6 +103,7 @@ class CacheEntry:
         ptr: int,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
+        ptrs: list[int],
         requires_grad: bool,
     ) -> None:
         self.flat = flat
@@ -101,6 +111,7 @@ class CacheEntry:
         self.ptr = ptr
         self.chunks = chunks
         self.views = views
+        self.ptrs = ptrs
         self.requires_grad = requires_grad
 
 
@@ -112,9 +123,11 @@ class GroupViews:
             ``functional_call`` and ``using()`` substitutions are seen).
         flat_name: the key of the group's flat parameter in ``params``.
         layout: the group's layout.
+        names: the qualified name of each slot, for error messages.
     """
 
     __slots__ = (
+        "_entries",
         "_grad_buffer",
         "_segments",
         "_shapes",
@@ -123,17 +136,23 @@ class GroupViews:
         "_traced",
         "flat_name",
         "layout",
+        "names",
         "params",
     )
 
-    def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
+    def __init__(
+        self, params: dict[str, Any], flat_name: str, layout: GroupLayout, names: tuple[str, ...] = ()
+    ) -> None:
         self.params = params
         self.flat_name = flat_name
         self.layout = layout
+        self.names = names
         self._split = list(layout.split_sizes)
         self._segments = layout.segments
         self._shapes = layout.shapes
         self._tls = threading.local()
+        #: Every thread's live cache entries, for :meth:`sync`.
+        self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
 
@@ -143,8 +162,16 @@ class GroupViews:
         return self._grad_buffer
 
     def invalidate(self) -> None:
-        """Drop every thread's cached views (they hold the old flat tensor alive)."""
-        self._tls = threading.local()
+        """Drop every thread's cached views (they hold the old flat tensor), landing `.data` writes first.
+
+        Raises:
+            RuntimeError: as :meth:`sync` (the views are dropped all the same).
+        """
+        try:
+            self.sync()
+        finally:
+            self._tls = threading.local()
+            self._entries = weakref.WeakSet()
 
     def current(self) -> Tensor:
         """Return the tensor currently registered as the flat parameter."""
@@ -153,15 +180,19 @@ class GroupViews:
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
         flat = self.params[self.flat_name]
-        if _is_compiling():
-            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
-            # registered module's forward the group was split once (see ``trace_split``).
+        if self._traced is not None or _is_compiling():
+            # Compiled and traced code see plain tensor ops on the flat parameter: no cache,
+            # no version guard. Inside the registered module's forward the group was split
+            # once (see ``trace_split``).
             traced = self._traced
             if traced is not None and traced[0] is flat:
                 chunks = traced[1]
             else:
                 chunks = flat.split(self._split)
             return chunks[self._segments[index]].view(self._shapes[index])
+        if _jit_trace._trace_module_map is not None and _tracing_a_module():
+            # torch.jit.trace of a submodule: the traced module does not own the flat parameter.
+            raise _submodule_trace_error(self, index)
         if _is_grad_enabled():
             mode = _GRAD
         else:
@@ -176,14 +207,16 @@ class GroupViews:
         ):
             return self._rebuild(flat, mode, cache, index)
         try:
-            if entry.ptr != flat.data_ptr():
-                return self._rebuild(flat, mode, cache, index)
-        except RuntimeError:
+            moved = entry.ptr != flat.data_ptr()
+        except RuntimeError:  # no storage (vmap): never cached
+            moved = True
+        if moved:
             return self._rebuild(flat, mode, cache, index)
         views = entry.views
         view = views[index]
         if view is None:
             view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            entry.ptrs[index] = view.data_ptr()
         return view
 
     def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
@@ -191,20 +224,81 @@ class GroupViews:
             ptr = flat.data_ptr()
         except RuntimeError:  # vmap's batched tensors have no storage: never cache them
             return flat.split(self._split)[self._segments[index]].view(self._shapes[index])
+        old = cache.get(mode)
+        if old is not None and old.version != -1:
+            cache.pop(mode)
+            self._entries.discard(old)
+            if any(v is not None and v.data_ptr() != p for v, p in zip(old.views, old.ptrs)):
+                self._land(old)  # `.data` written before the flat tensor changed: it still lands
+        if flat.dim() != 1 or flat.shape[0] != self.layout.numel:
+            raise RuntimeError(
+                f"{self.flat_name} has shape {tuple(flat.shape)} but its layout needs a "
+                f"one-dimensional tensor of {self.layout.numel} elements (was its .data "
+                "replaced?); assign a tensor of that size, or load a state dict"
+            )
         views: list[Tensor | None]
+        ptrs: list[int]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
             views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
+            ptrs = [v.data_ptr() for v in views]  # type: ignore[union-attr]
         else:
             chunks = flat.split(self._split)
             views = [None] * len(self._shapes)
-        entry = cache[mode] = CacheEntry(flat, flat._version, ptr, chunks, views, flat.requires_grad)
+            ptrs = [0] * len(self._shapes)
+        entry = cache[mode] = CacheEntry(flat, flat._version, ptr, chunks, views, ptrs, flat.requires_grad)
+        self._entries.add(entry)
         view = views[index]
         if view is None:
             view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            ptrs[index] = view.data_ptr()
         return view
+
+    def sync(self) -> None:
+        """Land the values of every cached view (any thread, any mode) whose ``.data`` was assigned.
+
+        Raises:
+            RuntimeError: if an assigned tensor has another shape, dtype
+                or device than its slot (the flat tensor is then unchanged).
+        """
+        for entry in list(self._entries):
+            for view, ptr in zip(entry.views, entry.ptrs):
+                if view is not None and view.data_ptr() != ptr:
+                    self._land(entry)
+                    break
+
+    def _land(self, entry: CacheEntry) -> None:
+        """Copy the values assigned through ``.data`` to views of ``entry`` into its flat tensor.
+
+        The entry is retired either way (its views no longer alias the flat tensor).
+        """
+        entry.version = -1
+        self._entries.discard(entry)
+        flat = entry.flat.detach()
+        writes = []
+        for index, (view, ptr) in enumerate(zip(entry.views, entry.ptrs)):
+            if view is None or view.data_ptr() == ptr:
+                continue
+            value = view.data
+            shape = torch.Size(self._shapes[index])
+            if value.shape != shape or value.dtype != flat.dtype or value.device != flat.device:
+                name = self.names[index] if index < len(self.names) else f"slot {index} of {self.flat_name}"
+                raise RuntimeError(
+                    f"cannot take `{name}.data = tensor`: the flat storage keeps its values in "
+                    f"{self.flat_name} as shape {tuple(shape)}, {flat.dtype} on {flat.device}; "
+                    f"got shape {tuple(value.shape)}, {value.dtype} on {value.device}; the value "
+                    "was not written. Assign a tensor of the slot's shape, dtype and device (its "
+                    "values are copied into the flat buffer), or change shapes inside "
+                    "storage.unflattened() or after remove_flat_storage"
+                )
+            writes.append((index, value))
+        if writes:
+            targets = self.split(flat)
+            with torch.no_grad():
+                for index, value in writes:
+                    targets[index].copy_(value)
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
@@ -228,7 +322,9 @@ class GroupViews:
         new._split = self._split
         new._segments = self._segments
         new._shapes = self._shapes
+        new.names = self.names
         new._tls = threading.local()
+        new._entries = weakref.WeakSet()
         new._traced = None
         new._grad_buffer = GradBuffer()
         return new
@@ -241,21 +337,49 @@ class GroupViews:
         )
 
 
-def trace_split(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook of the registered module: under torch.compile, split each group once.
+def _tracing_a_module(module: nn.Module | None = None) -> bool:
+    """Return whether ``torch.jit.trace`` is tracing a module's forward (``module``, if given).
 
-    Every view that the traced forward reads then comes from that one split, so
-    the compiled backward builds each flat gradient with one ``cat``. In eager
-    mode it does nothing (the per-thread cache plays that role).
+    ``trace_module`` records the traced module under ``"__module"``; the legacy
+    ONNX exporter traces a function whose inputs are the state dict's tensors
+    (the cached views themselves), so it is served from the cache.
     """
-    if _is_compiling():
-        for group in registered_storage(module).groups():
+    traced = _jit_trace._trace_module_map
+    if traced is None or "__module" not in traced or not _is_tracing():
+        return False
+    return module is None or traced["__module"] is module
+
+
+def _submodule_trace_error(group: GroupViews, index: int) -> RuntimeError:
+    name = group.names[index] if index < len(group.names) else group.flat_name
+    return RuntimeError(
+        f"torch.jit.trace reached {name} outside the forward of the registered module: the traced "
+        f"module does not own {group.flat_name}, so its weights would be baked in as constants. "
+        "Trace the module given to register_flat_storage, or trace a copy after "
+        "remove_flat_storage(copy)"
+    )
+
+
+def trace_split(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the registered module: under torch.compile or jit tracing, split each group once.
+
+    Every view that the traced forward reads then comes from that one split of
+    the flat parameter (read from the module, so the graph reads it rather than
+    baking constants), and the compiled backward builds each flat gradient with
+    one ``cat``. In eager mode it lands pending writes (``weight.data = t``,
+    a replaced flat parameter) instead; the per-thread cache serves the views.
+    """
+    storage = registered_storage(module)
+    if _is_compiling() or _tracing_a_module(module):
+        for group in storage.groups():
             group.views.trace(True)
+    else:
+        storage.sync_writes()
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
-    if _is_compiling():
+    if _is_compiling() or _tracing_a_module(module):
         for group in registered_storage(module).groups():
             group.views.trace(False)
 
@@ -279,9 +403,10 @@ def make_property(name: str) -> property:
 
     def fget(module: nn.Module) -> Tensor:
         param = module._parameters.get(name, _MISSING)
-        if param is not _MISSING:
-            return param  # type: ignore[return-value]
-        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        state = module.__dict__[MODULE_STATE_ATTR]
+        if param is not _MISSING:  # unflattened mode, or a parameter put there around the view
+            return state.storage.parameter_found(module, name, param)
+        group, index = state.slots[name]
         return group.view(index)
 
     def fset(module: nn.Module, value: Any) -> None:

@@ -961,12 +961,16 @@ def test_assigning_a_tensor_to_a_flattened_attribute_is_refused():
     assert_unchanged(model, snap)
 
 
-def test_assigning_a_parameter_to_a_flattened_attribute_is_refused():
-    """Assigning an nn.Parameter in flat mode is refused by torch itself: KeyError naming the attribute."""
+def test_assigning_a_parameter_of_another_shape_to_a_flattened_attribute_is_refused():
+    """An nn.Parameter that cannot land in its slot: RuntimeError naming the path, both shapes and the fix."""
     model, _ = registered_mlp()
     snap = snapshot(model)
-    with pytest.raises(KeyError, match=r"attribute 'weight' already exists"):
-        model[0].weight = nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(
+        RuntimeError,
+        match=r"cannot set 0\.weight to a tensor of shape \(3, 4\).*holds shape \(4, 3\).*"
+        r"storage\.unflattened\(\) or after remove_flat_storage",
+    ):
+        model[0].weight = nn.Parameter(torch.zeros(3, 4))
     assert_unchanged(model, snap)
 
 
