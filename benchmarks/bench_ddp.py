@@ -36,14 +36,9 @@ Usage: ``python benchmarks/bench_ddp.py [--quick]`` (``--help`` for sizes).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -52,6 +47,8 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._processes import Worker, emit, free_ports, serve, started, time_in_turns
 
 __all__ = ["main"]
 
@@ -109,9 +106,6 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- one rank
 
-#: Lines of the launcher protocol start with this (anything else a rank prints is passed over).
-TAG = "@bench "
-
 
 def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
     """Build one contender on this rank, warm it up, then time ``steps`` steps per ``go`` line on stdin."""
@@ -159,10 +153,9 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
 
     for _ in range(config["warmup"]):
         step()
-    print(TAG + json.dumps({"params": params, "groups": groups}), flush=True)
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
+    emit({"params": params, "groups": groups})
+
+    def measure(what: str) -> dict[str, float]:
         dist.barrier()
         faults_before = _minor_faults()
         start = time.perf_counter()
@@ -170,10 +163,9 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
             step()
         elapsed = time.perf_counter() - start
         faults = _minor_faults() - faults_before
-        print(
-            TAG + json.dumps({"seconds": elapsed / config["steps"], "faults": faults / config["steps"]}),
-            flush=True,
-        )
+        return {"seconds": elapsed / config["steps"], "faults": faults / config["steps"]}
+
+    serve(measure)
     dist.destroy_process_group()
 
 
@@ -189,61 +181,18 @@ def _minor_faults() -> int:
 # ------------------------------------------------------------------ launcher
 
 
-def _free_ports(n: int) -> list[int]:
-    """Return ``n`` distinct free ports (all probe sockets stay open until each has its port)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
-
-
-class _Rank:
-    """One rank of one contender: a subprocess that answers each ``go`` with one measurement."""
-
-    def __init__(
-        self, argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]
-    ) -> None:
-        self.name = f"{contender!r} rank {rank}"
-        self.log: list[str] = []
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                *argv,
-                "--worker",
-                str(rank),
-                str(port),
-                contender,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-
-    def send(self, line: str) -> None:
-        """Write one protocol line to the rank."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except OSError:  # the rank is gone: report what it printed
-            self.receive()
-            raise
-
-    def receive(self) -> dict[str, Any]:
-        """Return the rank's next protocol message (other output is kept for error reports)."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(TAG):
-                return json.loads(line[len(TAG) :])  # type: ignore[no-any-return]
-            self.log = [*self.log[-40:], line.rstrip()]
-        raise RuntimeError(
-            f"bench_ddp: {self.name} ended (exit code {self.proc.wait()}) or was stopped at the "
-            "time limit; its last output:\n" + "\n".join(self.log)
-        )
+def _rank(argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]) -> Worker:
+    """Start one rank of one contender."""
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--worker",
+        str(rank),
+        str(port),
+        contender,
+    ]
+    return Worker(command, f"bench_ddp: {contender!r} rank {rank}", env)
 
 
 def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -255,41 +204,18 @@ def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict
     """
     env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]), **_malloc_env(config)}
     pairs = {
-        name: [_Rank(argv, rank, port, name, env) for rank in range(WORLD)]
-        for name, port in zip(CONTENDERS, _free_ports(len(CONTENDERS)))
+        name: [_rank(argv, rank, port, name, env) for rank in range(WORLD)]
+        for name, port in zip(CONTENDERS, free_ports(len(CONTENDERS)))
     }
-    ranks = [rank for pair in pairs.values() for rank in pair]
-
-    def stop_all() -> None:
-        for rank in ranks:
-            rank.proc.kill()
-
-    watchdog = threading.Timer(timeout, stop_all)
-    watchdog.start()
-    try:
+    with started([rank for pair in pairs.values() for rank in pair], timeout):
         ready = {}
         for name, pair in pairs.items():
             messages = [rank.receive() for rank in pair]  # both ranks are warm
             ready[name] = messages[0]
-        samples: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-        faults: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-        for r in range(config["rounds"]):
-            for name in CONTENDERS if r % 2 == 0 else reversed(CONTENDERS):
-                for rank in pairs[name]:
-                    rank.send("go")
-                measured = [rank.receive() for rank in pairs[name]]
-                samples[name].append(max(m["seconds"] for m in measured))  # the slower rank counts
-                faults[name].append(max(m["faults"] for m in measured))
-        for rank in ranks:
-            rank.send("stop")
-        for rank in ranks:
-            rank.proc.wait()
-    finally:
-        watchdog.cancel()
-        for rank in ranks:
-            if rank.proc.poll() is None:
-                rank.proc.kill()
-            rank.proc.wait()
+        found = time_in_turns(pairs, "step", config["rounds"])
+    # The slower rank counts.
+    samples = {name: [max(m["seconds"] for m in r) for r in rounds] for name, rounds in found.items()}
+    faults = {name: [max(m["faults"] for m in r) for r in rounds] for name, rounds in found.items()}
     return {
         "samples": samples,
         "faults": faults,

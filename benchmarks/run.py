@@ -39,6 +39,7 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "state_dict": ("benchmarks.bench_state_dict", "state_dict() and load_state_dict(): time, memory"),
     "register": ("benchmarks.bench_register", "register_flat_storage on a large model: time, peak RSS"),
     "access": ("benchmarks.bench_access", "cost of one layer.weight access"),
+    "eval": ("benchmarks.bench_eval", "TransformerEncoder eval and train passes, one process per contender"),
     "ddp": ("benchmarks.bench_ddp", "data-parallel gradient sync (benchmarks/bench_ddp.py)"),
 }
 BENCH_DIR = Path(__file__).resolve().parent
@@ -47,9 +48,9 @@ Written by `python -m benchmarks --save-results` (see `python -m benchmarks --he
 workload alternates its contenders in one process after a warm-up (forward order, then reverse)
 and reports the median over the timed rounds, the spread (half the interquartile range relative
 to the median) and the ratio to the plain model; only ratios within one table are comparable,
-since machine load drifts between tables. Registration runs in fresh subprocesses; the
-data-parallel workload gives each contender its own pair of processes (a shared C heap
-changes page faults).
+since machine load drifts between tables. Registration runs in fresh subprocesses; the eval
+workload gives each contender its own process and the data-parallel workload its own pair of
+processes (a shared C heap changes page faults).
 """
 
 

@@ -40,7 +40,12 @@ def register_flat_storage(
             groups ``"0"``, ``"1"``, .... A mapping ``name -> items``: named
             groups. An item is an ``nn.Parameter`` of ``module``, a submodule
             (all its parameters) or a ``str`` glob matched against qualified
-            parameter names (``fnmatch`` rules, e.g. ``"*.bias"``).
+            parameter names (``fnmatch`` rules, e.g. ``"*.bias"``). A group
+            whose items name no parameter (``[]``, ``{"no_decay": []}``, a
+            submodule without parameters) gets no flat parameter, and an
+            empty ``groups`` (``[]``, ``[[]]``, ``{}``) flattens nothing;
+            groups of the list forms are numbered over the non-empty ones
+            (``[[], [p]]`` gives group ``"0"``, as fairscale's ``param_list``).
         align: every view starts at an element offset that is a multiple of
             ``align`` (padding is zero and never visible). Default: ``1``.
         bucket_cap_mb: split each automatic group into flat parameters
@@ -61,7 +66,7 @@ def register_flat_storage(
     Raises:
         TypeError: if ``module``, ``groups``, an item, ``align`` or
             ``bucket_cap_mb`` has a wrong type.
-        ValueError: for an empty group, a parameter or module that is not part
+        ValueError: for a parameter or module that is not part
             of ``module``, a pattern that matches nothing, a parameter in two
             groups, a group mixing dtypes, devices or requires_grad, a bad
             group name, ``align < 1``, ``bucket_cap_mb <= 0`` (or not finite),

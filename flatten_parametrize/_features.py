@@ -11,8 +11,13 @@ through ``_records.Coordinator``. The coordinator calls each feature's
   feature swapped a buffer itself (``coordinator.flat_buffers_replaced()``);
 * ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
   parameters in RAM by then);
-* ``copy_for(new, memo)``: ``copy.deepcopy`` of the module; pickling of the
-  whole model will build the copy's features the same way (``memo`` empty).
+* ``copy_for(new, memo)``: ``copy.deepcopy`` of the module (``None``: the copy
+  goes without the feature); pickling of the whole model will build the
+  copy's features the same way (``memo`` empty).
+
+The built-in features are created with the coordinator; a feature made later
+(a sharded optimizer, say) joins with ``storage.add_feature(feature)`` and
+leaves with ``storage.remove_feature(feature)``.
 
 The autograd path has its own seam, per group: a ``_grad.FlatGradHook``
 registered with ``group.views.grad_buffer.add_hook`` sees (and may scale while
@@ -27,13 +32,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from ._records import Coordinator
 
 __all__ = ["Coordinator", "Feature", "in_flat_mode", "storage_of"]
-
-_F = TypeVar("_F", bound="Feature")
 
 
 class Feature(Protocol):
@@ -45,8 +48,8 @@ class Feature(Protocol):
     def on_removed(self) -> None:
         """The storage was removed from its module: release files, hooks and the like."""
 
-    def copy_for(self: _F, storage: Coordinator, memo: dict[int, Any]) -> _F:
-        """Return this feature's state for ``storage``, a copy of its coordinator."""
+    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> Feature | None:
+        """Return this feature's state for ``storage``, a copy of its coordinator (``None``: not copied)."""
 
 
 def storage_of(ref: weakref.ref[Coordinator]) -> Coordinator:

@@ -109,8 +109,13 @@ def _check_flattenable(spec: SlotSpec, automatic: bool) -> None:
         )
 
 
-def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
-    """Normalize the four accepted forms into ``[(name, items)]``."""
+def _split_groups(groups: Any) -> tuple[list[tuple[str, list[Any]]], bool]:
+    """Normalize the four accepted forms into ``[(name, items)]``.
+
+    Returns:
+        The named item lists, and whether the names are positions (the list
+        forms), so that they can be renumbered once empty groups are dropped.
+    """
     if isinstance(groups, str):
         raise TypeError(
             f"groups must be a sequence of items, a sequence of groups or a mapping; got the "
@@ -122,11 +127,6 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
             f"single {_describe(groups)}; wrap it in a list: [item]"
         )
     if isinstance(groups, Mapping):
-        if not groups:
-            raise ValueError(
-                "groups is an empty mapping, so nothing would be flattened; name at least one "
-                "group, or pass groups=None to flatten every parameter"
-            )
         named: list[tuple[str, list[Any]]] = []
         for key, value in groups.items():
             if not isinstance(key, str):
@@ -134,11 +134,11 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
                     f"group names must be str; got {type(key).__name__} {key!r}; use str keys such as 'decay'"
                 )
             named.append((key, [value] if _is_item(value) else _as_list(value, f"group '{key}'")))
-        return named
+        return named, False
     entries = _as_list(groups, "groups")
     nested = [not _is_item(entry) for entry in entries]
     if entries and all(nested):
-        return [(str(i), _as_list(entry, f"group '{i}'")) for i, entry in enumerate(entries)]
+        return [(str(i), _as_list(entry, f"group '{i}'")) for i, entry in enumerate(entries)], True
     if any(nested):
         bad = entries[nested.index(True)]
         raise TypeError(
@@ -146,7 +146,7 @@ def _split_groups(groups: Any) -> list[tuple[str, list[Any]]]:
             f"{_describe(bad)} beside parameters, modules or patterns; pass either one "
             "group (a list of items) or a list of groups (a list of lists)"
         )
-    return [("0", entries)]
+    return [("0", entries)], True
 
 
 def _as_list(value: Any, what: str) -> list[Any]:
@@ -251,17 +251,23 @@ def _check_group_name(module: nn.Module, name: str) -> None:
 def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
     """Check ``groups`` against ``module`` and return one spec per group, in order.
 
+    A group whose items name no parameter (``[]``, or submodules without
+    parameters) is left out: it gets no flat parameter. Groups of the list
+    forms are then numbered ``"0"``, ``"1"``, ... over the groups that remain
+    (as fairscale's ``param_list`` does); mapping keys are kept.
+
     Raises:
         TypeError: for a wrong type of ``module``, ``groups`` or an item.
-        ValueError: for an empty group, a foreign parameter or module, a pattern
-            that matches nothing, a parameter in two groups, a group that mixes
-            dtypes, devices or requires_grad, or a bad group name.
+        ValueError: for a foreign parameter or module, a pattern that matches
+            nothing, a parameter in two groups, a group that mixes dtypes,
+            devices or requires_grad, or a bad group name.
         RuntimeError: if part of ``module`` already lives in a flat storage.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
     _check_not_flattened(module)
     by_id = _collect_names(module)
+    positional = False
     if groups is None:
         auto: dict[tuple[torch.device, torch.dtype, bool], GroupSpec] = {}
         for spec in by_id.values():
@@ -274,15 +280,13 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
         submodules = {id(m) for m in module.modules()}
         specs = []
         owner: dict[int, str] = {}
-        for name, items in _split_groups(groups):
+        named, positional = _split_groups(groups)
+        for name, items in named:
             if any(g.name == name for g in specs):
                 raise ValueError(f"duplicate group name {name!r}; give every group its own name")
             group = GroupSpec(name, _resolve_items(name, items, by_id, submodules))
-            if not group.slots:
-                raise ValueError(
-                    f"group '{name}' is empty: its items name no parameter; remove the "
-                    "group or give it parameters, modules or patterns that match"
-                )
+            if not group.slots:  # explicitly empty: nothing to flatten, no flat parameter
+                continue
             for slot in group.slots:
                 other = owner.setdefault(id(slot.param), name)
                 if other != name:
@@ -296,6 +300,10 @@ def resolve_groups(module: nn.Module, groups: GroupsArg) -> list[GroupSpec]:
             _check_flattenable(slot, automatic=groups is None)
         if groups is not None:
             _check_uniform(group)
+    if positional:  # messages above name the user's positions
+        for index, group in enumerate(specs):
+            group.name = str(index)
+    for group in specs:
         _check_group_name(module, group.name)
     return specs
 

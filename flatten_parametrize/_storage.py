@@ -96,11 +96,13 @@ class FlatStorage:
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
         self._functional = Functional(self)
+        #: Features added after registration (``add_feature``).
+        self._added: list[Feature] = []
 
     @property
     def _features(self) -> tuple[Feature, ...]:
         """Every feature, in the order the lifecycle notifies them."""
-        return (self._disk, self._grad_sync, self._functional)
+        return (self._disk, self._grad_sync, self._functional, *self._added)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -137,6 +139,14 @@ class FlatStorage:
     def slots(self) -> tuple[Slot, ...]:
         """Return the record of each flattened slot, in group and layout order (internal read API)."""
         return self._slots
+
+    def add_feature(self, feature: Feature) -> None:
+        """Have the coordinator drive ``feature``'s lifecycle (internal: see ``_features.py``)."""
+        self._added.append(feature)
+
+    def remove_feature(self, feature: Feature) -> None:
+        """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
+        self._added = [f for f in self._added if f is not feature]
 
     def __getitem__(self, group: str) -> FlatParameter:
         """Return the flat parameter of ``group``.
@@ -706,6 +716,7 @@ class FlatStorage:
         new._grad_sync = self._grad_sync.copy_for(new, memo)
         new._disk = self._disk.copy_for(new, memo)
         new._functional = self._functional.copy_for(new, memo)
+        new._added = [c for f in self._added if (c := f.copy_for(new, memo)) is not None]
         return new
 
     def __getstate__(self) -> None:

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, values
+from _helpers import TiedLM, WithOwnParam, mlp, values
 
 
 def test_register_keeps_the_module_tree_print_and_container_behaviour():
@@ -88,6 +88,66 @@ def test_group_forms_list_nested_dict_and_items():
         "2.bias",
         "4.bias",
     ]
+
+
+@pytest.mark.parametrize("groups", [[], [[]], {}, {"no_decay": []}, [[], []], "parameterless-submodule"])
+def test_explicitly_empty_groups_flatten_nothing(groups):
+    """An empty groups argument or group is not an error: no flat parameter, the module as before."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.ReLU())
+    if groups == "parameterless-submodule":
+        groups = [model[1]]
+    before = values(model)
+    named = [(n, p) for n, p in model.named_parameters()]
+    storage = register_flat_storage(model, groups)
+    assert storage.group_names == [] and storage.flat_params == [] and storage.param_infos == []
+    assert [(n, p) for n, p in model.named_parameters()] == named
+    assert type(model[0]) is nn.Linear and isinstance(model[0].weight, nn.Parameter)
+    assert list(storage.named_views()) == [] and list(storage.named_grads()) == []
+    assert "name" in storage.summary() and "group" in repr(storage)
+    for sd in (model.state_dict(), storage.flat_state_dict()):
+        assert list(sd) == list(before) and all(torch.equal(sd[k], before[k]) for k in before)
+    model.load_state_dict(storage.flat_state_dict())
+    with storage.unflattened():
+        assert [(n, p) for n, p in model.named_parameters()] == named
+    assert storage.is_flattened
+    assert storage.views_of([]) == {}
+    with storage.using([]):
+        model(torch.ones(1, 3)).sum().backward()
+    assert model[0].weight.grad is not None
+    remove_flat_storage(model)
+    assert get_flat_storage(model) is None and [(n, p) for n, p in model.named_parameters()] == named
+
+
+@pytest.mark.parametrize(
+    ("groups", "names", "members"),
+    [
+        (lambda m: [[], [m[0].weight]], ["0"], [["0.weight"]]),
+        (lambda m: [[m[0].weight], [], ["*.bias"]], ["0", "1"], [["0.weight"], ["0.bias"]]),
+        (lambda m: {"a": [], "b": [m[0]]}, ["b"], [["0.weight", "0.bias"]]),
+        (lambda m: {"decay": ["*.weight"], "no_decay": []}, ["decay"], [["0.weight"]]),
+    ],
+    ids=["leading-empty-list", "empty-list-between", "empty-dict-entry", "empty-no-decay-side"],
+)
+def test_only_non_empty_groups_get_a_flat_parameter(groups, names, members):
+    """List groups are numbered over the non-empty ones (as fairscale's param_list); dict keys are kept."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    twin_model = copy.deepcopy(model)
+    storage = register_flat_storage(model, groups(model))
+    assert storage.group_names == names
+    assert [n for n, _ in model.named_parameters() if n.startswith("flat_param_")] == [
+        f"flat_param_{n}" for n in names
+    ]
+    assert [[i.name for i in storage.param_infos if i.group == n] for n in names] == members
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    twin_model(x).sum().backward()
+    assert torch.equal(dict(storage.named_grads())["0.weight"], twin_model[0].weight.grad)
+    sd = storage.flat_state_dict()
+    restored = nn.Sequential(nn.Linear(3, 2))
+    register_flat_storage(restored, groups(restored)).module.load_state_dict(sd)
+    assert torch.equal(restored[0].weight, twin_model[0].weight)
+    remove_flat_storage(model)
+    assert list(model.state_dict()) == ["0.weight", "0.bias"]
 
 
 def test_generator_of_parameters_is_one_group():

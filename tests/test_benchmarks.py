@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ["mlp", "transformer", "optim", "state_dict", "register", "access"]
+WORKLOADS = ["mlp", "transformer", "optim", "state_dict", "register", "access", "eval"]
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -35,6 +37,7 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
         "state_dict() and load_state_dict()",
         "Flattening 4 x Linear(1024, 1024)",
         "One `layer.weight` access",
+        "TransformerEncoder passes, each contender in its own process",
         "Targets of the issue",
     ):
         assert f"### {title}" in out, title
@@ -94,11 +97,11 @@ def test_ddp_benchmark_reports_a_rank_that_ends_instead_of_waiting(tmp_path: Pat
     """A rank that exits before answering raises with its exit code and last output."""
     sys.path.insert(0, str(ROOT))
     try:
-        from benchmarks.bench_ddp import _Rank
+        from benchmarks.bench_ddp import _rank
     finally:
         sys.path.remove(str(ROOT))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    rank = _Rank(["--quick"], 0, 1, "no such contender", env)
+    rank = _rank(["--quick"], 0, 1, "no such contender", env)
     expected = r"(?s)'no such contender' rank 0 ended \(exit code 1\).*unknown contender"
     with pytest.raises(RuntimeError, match=expected):
         rank.receive()

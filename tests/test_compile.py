@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM
 
 
 def _mlp(depth: int = 4) -> nn.Sequential:

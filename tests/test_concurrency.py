@@ -23,7 +23,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM
 
 THREADS = 3  # inference threads beside the training thread
 STEPS = 60

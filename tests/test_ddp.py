@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import os
-import socket
-import time
-import traceback
 from pathlib import Path
 
+import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM, spawn_gloo
+
+pytestmark = pytest.mark.slow  # subprocesses
 
 WORLD = 2
 STEPS = 3
@@ -48,62 +44,22 @@ def _train(model: nn.Module, batches: list[torch.Tensor], rank: int, world: int)
         optimizer.step()
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, out: Path) -> None:
     """One DDP rank: train its half of every batch, save the resulting state dict."""
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
-        try:
-            model = _model()
-            if rank == 1:  # different initial values: DDP must broadcast rank 0's flat buffers
-                with torch.no_grad():
-                    model.flat_param_decay.add_(1.0)
-            ddp = DistributedDataParallel(model)
-            _train(ddp, _batches(), rank, WORLD)
-            torch.save(
-                {k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, f"rank{rank}.pt")
-            )
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    model = _model()
+    if rank == 1:  # different initial values: DDP must broadcast rank 0's flat buffers
+        with torch.no_grad():
+            model.flat_param_decay.add_(1.0)
+    ddp = DistributedDataParallel(model)
+    _train(ddp, _batches(), rank, world)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"rank{rank}.pt")
 
 
 def _run_ranks(out: Path) -> None:
     """Start the ranks; fail as soon as one fails (killing the others) or the deadline passes."""
-    context = multiprocessing.get_context("spawn")
-    port = _free_port()
-    procs = [context.Process(target=_worker, args=(rank, port, str(out))) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + JOIN_TIMEOUT
-    try:
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-    finally:
-        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-    errors = "\n".join(path.read_text() for path in sorted(out.glob("rank*.err")))
-    codes = [proc.exitcode for proc in procs]
-    assert codes == [0] * WORLD, f"exit codes {codes} (ranks {hung} killed)\n{errors}"
+    spawn_gloo(
+        _worker, out, world=WORLD, deadline_s=JOIN_TIMEOUT, grace_s=0, collective_timeout_s=COLLECTIVE_TIMEOUT
+    )
 
 
 def test_ddp_on_two_gloo_processes_matches_one_process_on_the_whole_batch(tmp_path: Path):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import configparser
 import io
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from flatten_parametrize.__main__ import main as cli_main
 from flatten_parametrize._demo import main as demo_main
 
 
+@pytest.mark.slow
 def test_demo_command_runs_and_agrees() -> None:
     """`python -m flatten_parametrize demo --steps 5` exits 0 and prints summary, both losses and OK."""
     proc = subprocess.run(
@@ -47,3 +51,20 @@ def test_cli_refuses_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
         cli_main(["demo", "--steps", "0"])
     assert exit_.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_readme_demo_command_installs_numpy_so_torch_prints_no_warning() -> None:
+    """The README's demo command installs an extra with NumPy (torch warns on import without it)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if "python -m flatten_parametrize demo" in line)
+    extras = re.search(r'-e "\.\[([a-z,]+)\]"', command)
+    assert extras is not None, command
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    provided = {
+        requirement.strip().lower()
+        for extra in extras.group(1).split(",")
+        for requirement in config["options.extras_require"][extra].splitlines()
+    }
+    assert "numpy" in provided

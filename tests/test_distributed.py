@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import copy
 import math
-import multiprocessing as mp
-import socket
 import time
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,76 +24,9 @@ from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import _distributed, register_flat_storage, remove_flat_storage
 
-from _models import mlp, values
+from _helpers import RankFailed, mlp, spawn_gloo, values
 
 # ------------------------------------------------------------------ launching
-
-
-class _RankFailed(AssertionError):
-    """A spawned rank raised, crashed or was killed."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(worker: Callable[[int, int, Path], None], rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        worker(rank, world, Path(outdir))
-    except BaseException:
-        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    dist.destroy_process_group()
-
-
-def _spawn(worker: Callable[[int, int, Path], None], outdir: Path, *, deadline_s: float = 150.0) -> None:
-    """Run ``worker(rank, world, outdir)`` in 2 gloo processes on 127.0.0.1.
-
-    As soon as one rank fails, the others get ``grace_s`` seconds to finish
-    (a worker that expects the failure records what it saw), then every
-    leftover process is killed and :class:`_RankFailed` reports each failure.
-    """
-    world, grace_s = 2, 20.0
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(worker, rank, world, port, str(outdir)), daemon=True)
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    start, failed_at = time.monotonic(), None
-    try:
-        while any(proc.is_alive() for proc in procs):
-            now = time.monotonic()
-            if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
-                failed_at = now
-            if now - start > deadline_s or (failed_at is not None and now - failed_at > grace_s):
-                break
-            time.sleep(0.05)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-    errors = []
-    for rank, proc in enumerate(procs):
-        if (outdir / f"rank{rank}.err").exists():
-            errors.append(f"rank {rank} raised:\n{(outdir / f'rank{rank}.err').read_text()}")
-        elif proc.exitcode != 0:
-            errors.append(f"rank {rank} ended with exit code {proc.exitcode} (killed if negative)")
-    if errors:
-        raise _RankFailed("\n".join(errors))
 
 
 def _save(outdir: Path, rank: int, name: str, result: Any) -> None:
@@ -279,9 +209,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     outdir = tmp_path_factory.mktemp("ranks")
     start = time.monotonic()
     try:
-        _spawn(_run_scenarios, outdir)
+        spawn_gloo(_run_scenarios, outdir)
         failure = "no rank failed"
-    except _RankFailed as error:
+    except RankFailed as error:
         failure = str(error)
     return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start}
 
@@ -296,6 +226,7 @@ def _results(two_ranks: dict[str, Any], name: str) -> list[Any]:
     return [torch.load(path, weights_only=False) for path in paths]
 
 
+@pytest.mark.slow
 def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
     """Two ranks with grad sync, each on half the batch, end where one process on the whole batch ends."""
     first, second = _results(two_ranks, "sync_training")
@@ -307,6 +238,7 @@ def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
         assert torch.equal(first["synced"][key], second["synced"][key])
 
 
+@pytest.mark.slow
 def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
     """With large segments backward divides by the world size and the collective only sums; same training."""
     for result in _results(two_ranks, "divided_in_backward"):
@@ -315,6 +247,7 @@ def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
             torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
 
 
+@pytest.mark.slow
 def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
     """Micro-batches under no_sync stay local; the next synced backward averages their sum."""
     first, second = _results(two_ranks, "no_sync")
@@ -323,6 +256,7 @@ def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
         torch.testing.assert_close(result["synced"], result["plain"])
 
 
+@pytest.mark.slow
 def test_group_unused_on_one_rank_is_averaged_with_zeros(two_ranks):
     """A group one rank's backward does not reach gets the other ranks' gradient over world size; no hang."""
     first, second = (result["steps"] for result in _results(two_ranks, "unused_group"))
@@ -332,6 +266,7 @@ def test_group_unused_on_one_rank_is_averaged_with_zeros(two_ranks):
         torch.testing.assert_close(step0["b"], step0["local_b"] / 2)
 
 
+@pytest.mark.slow
 def test_broadcast_params_copies_the_source_rank(two_ranks):
     """After broadcast_params(src=1) every rank holds rank 1's flat parameters."""
     first, second = _results(two_ranks, "broadcast")
@@ -340,6 +275,7 @@ def test_broadcast_params_copies_the_source_rank(two_ranks):
     assert torch.equal(second["after"], second["before"])
 
 
+@pytest.mark.slow
 def test_all_reduce_grads_sum_adds_the_ranks_gradients(two_ranks):
     """all_reduce_grads(op='sum') leaves the sum of every rank's gradient on every rank."""
     first, second = _results(two_ranks, "all_reduce_sum")
@@ -347,6 +283,7 @@ def test_all_reduce_grads_sum_adds_the_ranks_gradients(two_ranks):
         torch.testing.assert_close(result["reduced"], first["local"] + second["local"])
 
 
+@pytest.mark.slow
 def test_failing_rank_does_not_hang_the_others(two_ranks):
     """A rank that raises fails the launch; the other's synced backward raises after the group's timeout."""
     assert "rank 1 raised" in two_ranks["failure"]
@@ -395,6 +332,20 @@ def _reduced_groups(storage, calls) -> list[str]:
         for kind, t in calls
         if kind == "all_reduce"
     ]
+
+
+def test_collectives_on_a_storage_without_groups_do_nothing(collectives):
+    """Explicitly empty groups: every sync call works and launches no collective."""
+    model = _blocks()
+    storage = register_flat_storage(model, [[]])
+    storage.all_reduce_grads()
+    storage.broadcast_params()
+    storage.enable_grad_sync()
+    with storage.no_sync():
+        model(torch.ones(1, 4)).sum().backward()
+    model(torch.ones(1, 4)).sum().backward()
+    storage.disable_grad_sync()
+    assert collectives == [] and model[0].weight.grad is not None
 
 
 @pytest.mark.parametrize(

@@ -29,161 +29,7 @@ from flatten_parametrize import (
     remove_flat_storage,
 )
 
-# --------------------------------------------------------------------------- snapshot
-
-#: Attributes the library (or torch.nn.utils.parametrize) may put in a module's __dict__.
-_LIB_ATTRS = ("parametrizations", "_flat_parametrize", "_flat_storage")
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-_ABSENT = object()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor | None:
-    """Return a bitwise image of ``t`` (None when it has no values: meta, lazy)."""
-    if isinstance(t, nn.parameter.UninitializedTensorMixin) or t.is_meta:
-        return None
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    t = t.clone().contiguous().reshape(-1)
-    return t if t.dtype == torch.bool else t.view(torch.uint8)
-
-
-def _describe(t: torch.Tensor) -> tuple[Any, ...]:
-    if isinstance(t, nn.parameter.UninitializedTensorMixin):
-        return (type(t),)
-    return (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad, t.layout)
-
-
-def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    """Record everything a failed call must leave untouched."""
-    params = list(model.named_parameters(remove_duplicate=False))
-    buffers = list(model.named_buffers(remove_duplicate=False))
-    modules = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        modules.append(
-            {
-                "name": name,
-                "module": module,
-                "type": type(module),
-                "class_attrs": sorted(type(module).__dict__),
-                "lib_attrs": {k: module.__dict__.get(k, _ABSENT) for k in _LIB_ATTRS},
-                "children": list(module._modules.items()),
-                "own_params": list(module._parameters.items()),
-                "own_buffers": list(module._buffers.items()),
-                "hooks": {h: list(getattr(module, h, {}).items()) for h in _HOOK_DICTS},
-                "parametrized": sorted(getattr(module, "parametrizations", {}).keys())
-                if parametrize.is_parametrized(module)
-                else None,
-            }
-        )
-    state = model.state_dict()
-    storage = get_flat_storage(model)
-    return {
-        "params": [
-            (n, p, _describe(p), _bits(p), p.grad, None if p.grad is None else _bits(p.grad))
-            for n, p in params
-        ],
-        "buffers": [(n, b, _describe(b), _bits(b)) for n, b in buffers],
-        "modules": modules,
-        "state_keys": list(state),
-        "state_values": {
-            k: (_describe(v), _bits(v)) for k, v in state.items() if isinstance(v, torch.Tensor)
-        },
-        "storage": storage,
-        "storage_state": None
-        if storage is None
-        else (
-            storage.is_flattened,
-            storage.group_names,
-            [id(f) for f in storage.flat_params],
-            storage.param_infos,
-            [_bits(f) for f in storage.flat_params],
-        ),
-    }
-
-
-def assert_unchanged(model: nn.Module, snap: dict[str, Any]) -> None:
-    """Assert that ``model`` is exactly as recorded by :func:`snapshot`."""
-    now = snapshot(model)
-    # Same parameter objects under the same names, same values and gradients.
-    assert [n for n, *_ in now["params"]] == [n for n, *_ in snap["params"]]
-    for (name, p, desc, bits, grad, grad_bits), (_, p2, desc2, bits2, grad2, grad_bits2) in zip(
-        snap["params"], now["params"]
-    ):
-        assert p2 is p, f"parameter {name} was replaced"
-        assert desc2 == desc, f"parameter {name} changed type/shape/dtype/device/requires_grad"
-        assert _same_bits(bits, bits2), f"parameter {name} changed value"
-        assert grad2 is grad, f"gradient of {name} was replaced"
-        assert _same_bits(grad_bits, grad_bits2), f"gradient of {name} changed value"
-    assert [n for n, *_ in now["buffers"]] == [n for n, *_ in snap["buffers"]]
-    for (name, b, desc, bits), (_, b2, desc2, bits2) in zip(snap["buffers"], now["buffers"]):
-        assert b2 is b, f"buffer {name} was replaced"
-        assert desc2 == desc, f"buffer {name} changed type/shape/dtype/device"
-        assert _same_bits(bits, bits2), f"buffer {name} changed value"
-    # Same module tree, classes, library attributes, hooks.
-    assert [m["name"] for m in now["modules"]] == [m["name"] for m in snap["modules"]]
-    for before, after in zip(snap["modules"], now["modules"]):
-        where = before["name"] or "<root>"
-        assert after["module"] is before["module"], f"module {where} was replaced"
-        assert after["type"] is before["type"], f"class of {where} changed"
-        assert after["class_attrs"] == before["class_attrs"], f"class attributes of {where} changed"
-        for key, value in before["lib_attrs"].items():
-            assert after["lib_attrs"][key] is value, f"{where}.__dict__[{key!r}] changed"
-        assert after["children"] == before["children"], f"children of {where} changed"
-        assert [(k, id(v)) for k, v in after["own_params"]] == [
-            (k, id(v)) for k, v in before["own_params"]
-        ], f"_parameters of {where} changed"
-        assert [(k, id(v)) for k, v in after["own_buffers"]] == [
-            (k, id(v)) for k, v in before["own_buffers"]
-        ], f"_buffers of {where} changed"
-        assert after["hooks"] == before["hooks"], f"hooks of {where} changed"
-        assert after["parametrized"] == before["parametrized"], f"parametrizations of {where} changed"
-        if before["lib_attrs"]["parametrizations"] is _ABSENT:
-            assert "parametrizations" not in after["module"]._modules, f"{where} got a parametrizations child"
-    # Same storage, mode and flat values; same state dict.
-    assert get_flat_storage(model) is snap["storage"]
-    if snap["storage_state"] is not None:
-        was_flat, groups, flat_ids, infos, flat_bits = snap["storage_state"]
-        storage = snap["storage"]
-        assert storage.is_flattened == was_flat, "flat/unflattened mode changed"
-        assert storage.group_names == groups
-        assert [id(f) for f in storage.flat_params] == flat_ids, "a flat parameter was replaced"
-        assert storage.param_infos == infos
-        for g, (a, b) in enumerate(zip(flat_bits, [_bits(f) for f in storage.flat_params])):
-            assert _same_bits(a, b), f"flat parameter of group {groups[g]} changed value"
-    assert now["state_keys"] == snap["state_keys"], "state_dict keys changed"
-    for key, (desc, bits) in snap["state_values"].items():
-        desc2, bits2 = now["state_values"][key]
-        assert desc2[1:4] == desc[1:4], f"state_dict entry {key} changed shape/dtype/device"
-        assert _same_bits(bits, bits2), f"state_dict entry {key} changed value"
-
-
-def assert_plain(model: nn.Module) -> None:
-    """Assert that nothing of the library is left on ``model``."""
-    assert get_flat_storage(model) is None
-    for name, module in model.named_modules():
-        for attr in ("_flat_parametrize", "_flat_storage"):
-            assert attr not in module.__dict__, f"{name or '<root>'} keeps {attr}"
-        assert not parametrize.is_parametrized(module), f"{name or '<root>'} is parametrized"
-        assert not any(k.__dict__.get("_flat_parametrize_class") for k in type(module).__mro__), (
-            f"{name or '<root>'} keeps an injected class"
-        )
-
+from _helpers import assert_plain, assert_unchanged, snapshot
 
 # --------------------------------------------------------------------------- models
 
@@ -411,20 +257,6 @@ def test_register_refuses_align_of_a_wrong_type(align, shown):
 
 
 # ===================================================================== register: bad values
-
-
-@pytest.mark.parametrize(
-    ("groups", "group"),
-    [({"decay": ["*.weight"], "empty": []}, "empty"), ([], "0"), ([["0.*"], []], "1")],
-)
-def test_register_refuses_an_empty_group(groups, group):
-    """A group must name at least one parameter: ValueError naming the empty group."""
-    model = mlp()
-    snap = snapshot(model)
-    with pytest.raises(ValueError, match=rf"group '{group}' is empty"):
-        register_flat_storage(model, groups)
-    assert_unchanged(model, snap)
-    assert_plain(model)
 
 
 def test_register_refuses_a_parameter_not_in_the_module():
@@ -1481,15 +1313,6 @@ def test_storage_getitem_refuses_a_non_str_key():
     storage = register_flat_storage(model)
     with pytest.raises(TypeError, match=r"named by str; got int 0; groups are \['0'\]"):
         storage[0]  # type: ignore[index]
-
-
-def test_register_refuses_an_empty_mapping_of_groups():
-    """groups={} would flatten nothing: refused, module untouched."""
-    model = nn.Sequential(nn.Linear(2, 2))
-    snap = snapshot(model)
-    with pytest.raises(ValueError, match=r"groups is an empty mapping.*groups=None"):
-        register_flat_storage(model, {})
-    assert_unchanged(model, snap)
 
 
 def test_register_refuses_a_parameter_subclass():

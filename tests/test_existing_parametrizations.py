@@ -11,7 +11,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 from flatten_parametrize import register_flat_storage, remove_flat_storage
 
-from _models import twin
+from _helpers import assert_close_state, twin
 
 _PARAMETRIZATIONS = {
     "weight_norm": parametrizations.weight_norm,
@@ -29,13 +29,6 @@ def _net() -> nn.Sequential:
         nn.Tanh(),
         parametrizations.spectral_norm(nn.Linear(5, 3)),
     )
-
-
-def _assert_close_state(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for key in sa:
-        torch.testing.assert_close(sa[key], sb[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("name", list(_PARAMETRIZATIONS))
@@ -84,7 +77,7 @@ def test_training_matches_the_plain_model():
             o.zero_grad()
             m(x).pow(2).mean().backward()
             o.step()
-    _assert_close_state(model, plain)
+    assert_close_state(model, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dicts_have_the_plain_keys_and_load_both_ways():
@@ -94,7 +87,7 @@ def test_state_dicts_have_the_plain_keys_and_load_both_ways():
     storage = register_flat_storage(model)
     assert list(model.state_dict()) == list(plain.state_dict())
     model.load_state_dict(plain.state_dict())
-    _assert_close_state(model, plain)
+    assert_close_state(model, plain, rtol=1e-5, atol=1e-6)
     x = torch.randn(3, 4)
     model.eval()
     plain.eval()
@@ -103,11 +96,11 @@ def test_state_dicts_have_the_plain_keys_and_load_both_ways():
         storage["0"].mul_(0.5)
     back = _net()
     back.load_state_dict(model.state_dict())
-    _assert_close_state(back, model)
+    assert_close_state(back, model, rtol=1e-5, atol=1e-6)
     fresh = _net()
     register_flat_storage(fresh)
     fresh.load_state_dict(storage.flat_state_dict())
-    _assert_close_state(fresh, model)
+    assert_close_state(fresh, model, rtol=1e-5, atol=1e-6)
 
 
 def test_cached_parametrizations_still_work():

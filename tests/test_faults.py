@@ -5,8 +5,10 @@ forms and both modes, ``remove_flat_storage()``) is first run once cleanly on a 
 built module, recording its steps. It is then rerun on an identical fresh module once per
 step, with that one step made to raise :class:`InjectedFault`:
 
-- ``call`` faults: each torch primitive and library helper of :data:`CALL_POINTS` is
-  patched to raise on its k-th call, for every k that the clean run reached;
+- ``call`` faults: each torch primitive of :data:`CALL_POINTS` is patched to raise on
+  its k-th call, and each function of ``flatten_parametrize`` that the clean run called
+  is made to raise (through a trace function) on entering its k-th call, for every k
+  that the clean run reached: whatever the library's helpers are called;
 - ``line`` faults: each line of ``flatten_parametrize`` that the clean run executed is
   made to raise (through a trace function) at its first and at its last execution, so
   that a failure is tried before every statement of the library, at the start and at the
@@ -14,7 +16,7 @@ step, with that one step made to raise :class:`InjectedFault`:
 
 After each failure the error must reach the caller (possibly wrapped by torch, e.g. "While
 copying the parameter named ..."), and the operation must be all or nothing: either the
-module is bit-for-bit as before (``assert_unchanged`` of ``tests/test_errors.py``: same
+module is bit-for-bit as before (``assert_unchanged`` of ``tests/_helpers.py``: same
 parameter objects, values, gradients, classes, hooks, state dict, storage and mode), it
 computes the same output, and retrying the operation gives exactly the clean run's
 result; or (a fault after the operation's last change, at its ``return`` say, cannot be
@@ -38,22 +40,13 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from test_errors import assert_plain, assert_unchanged, snapshot
 from torch import nn
 from torch.nn.utils import parametrize
 
 import flatten_parametrize
-from flatten_parametrize import (
-    _api,
-    _records,
-    _state_dict,
-    _storage,
-    _surgery,
-    _view_cache,
-    get_flat_storage,
-    register_flat_storage,
-    remove_flat_storage,
-)
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+
+from _helpers import assert_plain, assert_unchanged, snapshot
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(flatten_parametrize.__file__)) + os.sep
 
@@ -312,30 +305,7 @@ CALL_POINTS = [
     CallPoint("Module.register_parameter", nn.Module, "register_parameter"),
     CallPoint("Module._load_from_state_dict", nn.Module, "_load_from_state_dict"),
     CallPoint("ParametrizationList.__init__", parametrize.ParametrizationList, "__init__"),
-    # library steps, where the library looks them up
-    CallPoint("GroupViews.split", _view_cache.GroupViews, "split"),
-    CallPoint("GroupViews.view", _view_cache.GroupViews, "view"),
-    CallPoint("register_view", _surgery, "register_view"),
-    CallPoint("make_class", _surgery, "make_class"),
-    CallPoint("add_property", _surgery, "add_property"),
-    CallPoint("_reorder", _surgery, "_reorder"),
-    CallPoint("_restore_module", _surgery, "_restore_module"),
-    CallPoint("Snapshot.__init__", _state_dict.Snapshot, "__init__"),
-    CallPoint("FlatStorage.flatten", _storage.FlatStorage, "flatten"),
-    CallPoint("FlatStorage.unflatten", _storage.FlatStorage, "unflatten"),
-    CallPoint("refresh_originals", _surgery, "refresh_originals"),
-    CallPoint("commit_staged", _storage, "commit_staged"),
-    CallPoint("unflatten_flat_form", _state_dict, "unflatten_flat_form"),
-    CallPoint("load_module", _state_dict, "load_module"),
-    CallPoint("ModuleState.__init__", _records.ModuleState, "__init__"),
-    CallPoint("FlatParameter._set_layout", flatten_parametrize.FlatParameter, "_set_layout"),
-    CallPoint("resolve_groups", _api, "resolve_groups"),
 ]
-
-
-def _available(point: CallPoint) -> bool:
-    """Library helpers may be renamed; the line faults cover the library regardless."""
-    return hasattr(point.owner, point.attr)
 
 
 def _replacement(point: CallPoint, before_call: Callable[[], None]) -> Any:
@@ -380,6 +350,40 @@ def call_faults(points: list[CallPoint], fail: tuple[str, int] | None = None) ->
         yield calls
 
 
+_GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
+def _library_code(path: str) -> bool:
+    """Whether faults go into code of ``path``: the library, except the modules that only plan."""
+    return path.startswith(PACKAGE_DIR) and not path.endswith(PLANNING_MODULES)
+
+
+@contextmanager
+def function_faults(fail: tuple[tuple[str, int, str], int] | None = None) -> Iterator[Counter[Any]]:
+    """Count calls of library functions; raise on entering call ``fail[1]`` of function ``fail[0]``.
+
+    A function is keyed by its file, first line and name, so every helper of the library
+    is a fault point whatever it is called. Generators (comprehensions included) are left
+    to the line faults: their "calls" are resumptions, and closing one must not fail.
+    """
+    calls: Counter[tuple[str, int, str]] = Counter()
+
+    def start(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event == "call" and not code.co_flags & _GENERATOR and _library_code(code.co_filename):
+            key = (code.co_filename, code.co_firstlineno, code.co_name)
+            calls[key] += 1
+            if fail is not None and fail == (key, calls[key]):
+                raise InjectedFault(f"injected fault: call {calls[key]} of {_show(key[:2])} {key[2]}")
+
+    previous = sys.gettrace()
+    sys.settrace(start)
+    try:
+        yield calls
+    finally:
+        sys.settrace(previous)
+
+
 def _is_with(where: tuple[str, int]) -> bool:
     return linecache.getline(*where).lstrip().startswith(("with ", "async with "))
 
@@ -410,10 +414,7 @@ def line_faults(fail: tuple[tuple[str, int], int] | None = None) -> Iterator[Cou
 
     def start(frame: Any, event: str, arg: Any) -> Any:
         path = frame.f_code.co_filename
-        if fail is not None:
-            wanted = path == fail[0][0]
-        else:
-            wanted = path.startswith(PACKAGE_DIR) and not path.endswith(PLANNING_MODULES)
+        wanted = path == fail[0][0] if fail is not None else _library_code(path)
         return local if wanted else None
 
     previous = sys.gettrace()
@@ -507,10 +508,9 @@ def _report(name: str, tried: int, failures: list[str]) -> str:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_a_failing_call_leaves_the_module_as_before(name):
-    """A torch primitive or library helper failing at any of its calls leaves the module unchanged."""
-    points = [p for p in CALL_POINTS if _available(p)]
-    counts, reference = _clean_run(name, lambda: call_faults(points))
-    exercised = [p for p in points if counts[p.label]]
+    """A torch primitive failing at any of its calls leaves the module unchanged."""
+    counts, reference = _clean_run(name, lambda: call_faults(CALL_POINTS))
+    exercised = [p for p in CALL_POINTS if counts[p.label]]
     assert any(p.owner is torch.Tensor for p in exercised), "no torch primitive was exercised"
     failures, tried = [], 0
     for point in exercised:
@@ -524,6 +524,26 @@ def test_a_failing_call_leaves_the_module_as_before(name):
             )
             if problem is not None:
                 failures.append(f"{point.label} call {k}/{counts[point.label]}: {problem}")
+    assert not failures, _report(name, tried, failures)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_failing_library_function_leaves_the_module_as_before(name):
+    """Any function of the library failing at any of its calls leaves the module unchanged."""
+    counts, reference = _clean_run(name, function_faults)
+    assert counts, "the operation called no library function"
+    failures, tried = [], 0
+    for key, count in sorted(counts.items()):
+        for k in range(1, count + 1):
+            tried += 1
+            problem = _try_fault(
+                name,
+                lambda key=key, k=k: function_faults((key, k)),
+                lambda counter, key=key, k=k: counter[key] >= k,
+                reference,
+            )
+            if problem is not None:
+                failures.append(f"{_show(key[:2])} {key[2]} call {k}/{count}: {problem}")
     assert not failures, _report(name, tried, failures)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from flatten_parametrize import FlatParameter, register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM
 
 
 def _example() -> FlatParameter:

@@ -7,7 +7,7 @@ import torch
 
 from flatten_parametrize import register_flat_storage
 
-from _models import mlp
+from _helpers import mlp
 
 
 def test_call_stacked_evaluates_each_weight_set():

@@ -6,7 +6,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM
 
 
 def test_summary_lists_every_slot_with_its_columns():

@@ -7,7 +7,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM, twin
+from _helpers import TiedLM, twin
 
 
 def _net() -> nn.Sequential:

@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import flatten_parametrize._offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, mlp, twin, values
 
 
 def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
@@ -293,12 +293,15 @@ def test_offload_again_to_the_same_directory_does_nothing(tmp_path):
     assert storage.offload_files == files and len(_listing(tmp_path)) == 1
 
 
-def test_offload_of_module_without_parameters_is_a_no_op(tmp_path):
+@pytest.mark.parametrize("groups", [None, []], ids=["parameterless-module", "empty-groups"])
+def test_offload_of_a_storage_without_groups_is_a_no_op(tmp_path, groups):
     """A storage with no groups offloads nothing and writes no file."""
-    module = nn.ReLU()
-    storage = register_flat_storage(module)
+    module = nn.Sequential(nn.ReLU()) if groups is None else nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(module, groups)
     storage.offload_to_disk(tmp_path)
     assert not storage.is_offloaded and _listing(tmp_path) == []
+    storage.load_to_memory()
+    assert not storage.is_offloaded
 
 
 def test_offload_files_are_deleted_when_the_model_is_collected(tmp_path):
@@ -339,6 +342,7 @@ def test_other_threads_view_caches_do_not_keep_the_ram_buffer_alive(tmp_path):
         thread.join()
 
 
+@pytest.mark.slow
 def test_offloaded_model_releases_resident_memory(tmp_path):
     """Offloading a ~256 MB model drops resident memory by about its size; outputs are unchanged."""
     if not Path("/proc/self/status").exists():

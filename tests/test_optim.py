@@ -13,7 +13,7 @@ from torch.nn.utils import parametrizations
 from flatten_parametrize import register_flat_storage
 from flatten_parametrize._optim import flat_optim_state_dict, plain_optim_state_dict
 
-from _models import TiedLM, WithOwnParam, mlp, twin
+from _helpers import TiedLM, WithOwnParam, assert_close_state, mlp, twin
 
 Step = Callable[[nn.Module, torch.optim.Optimizer], None]
 
@@ -26,10 +26,7 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[
 
 
 def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for key in sa:
-        torch.testing.assert_close(sa[key], sb[key], rtol=1e-6, atol=1e-7, msg=key)
+    assert_close_state(a, b, rtol=1e-6, atol=1e-7)
 
 
 def _assert_same_state(a: dict, b: dict) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM
+from _helpers import TiedLM
 
 
 def _extents(ax, label: str) -> list[tuple[float, float]]:

@@ -25,10 +25,11 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_errors import assert_unchanged, snapshot
 from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+
+from _helpers import assert_unchanged, snapshot
 
 D = 8  # feature size of every leaf
 B = 4  # batch size

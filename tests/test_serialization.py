@@ -20,7 +20,7 @@ from torch import nn
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 
-from _models import TiedLM, WithOwnParam
+from _helpers import TiedLM, WithOwnParam
 
 
 class Mixed(nn.Module):

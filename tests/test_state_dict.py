@@ -11,7 +11,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, mlp, twin, values
 
 
 def _flat_ptr_range(storage) -> range:

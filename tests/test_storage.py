@@ -8,7 +8,7 @@ from torch import nn
 
 from flatten_parametrize import ParamInfo, register_flat_storage
 
-from _models import TiedLM, WithOwnParam, mlp, twin
+from _helpers import TiedLM, WithOwnParam, mlp, twin
 
 
 def test_param_infos_describe_every_slot():

@@ -14,7 +14,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import twin
+from _helpers import twin
 
 
 def _pair(frozen: bool = True) -> tuple[nn.Module, nn.Module]:

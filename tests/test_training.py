@@ -8,7 +8,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
-from _models import TiedLM, WithOwnParam, twin
+from _helpers import TiedLM, WithOwnParam, twin
 
 
 def _transformer() -> nn.Module:

@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from flatten_parametrize import register_flat_storage
 
-from _models import mlp, twin
+from _helpers import mlp, twin
 
 
 def _gpt2(seed: int = 0, tie: bool = True) -> GPT2LMHeadModel:

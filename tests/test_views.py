@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import copy
+import sys
 import threading
-import time
 
 import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 
-from _models import mlp
+from _helpers import mlp
 
 
 def _graph_nodes(tensor: torch.Tensor) -> list[str]:
@@ -47,31 +49,42 @@ def test_two_groups_two_splits():
     assert nodes.count("_GroupSplitBackward") == 2
 
 
-def _fwd_bwd_time(model: nn.Module, x: torch.Tensor, rounds: int = 5) -> float:
-    times = []
-    for i in range(rounds + 2):
-        start = time.perf_counter()
-        model(x).sum().backward()
+class _Dispatched(TorchDispatchMode):
+    """Counts the tensor ops dispatched inside it and the elements of their outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.elements += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _backward_elements(model: nn.Module, x: torch.Tensor) -> int:
+    """Elements that the second of two backward passes writes (an in-place update between them)."""
+    for _ in range(2):
+        loss = model(x).sum()
+        with _Dispatched() as dispatched:
+            loss.backward()
         with torch.no_grad():  # an optimizer-like in-place update between passes
             for p in model.parameters():
                 p.mul_(1.0)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return dispatched.elements
 
 
 def test_deep_model_forward_backward_is_not_quadratic():
-    """300 layers flattened run forward+backward within a small factor of the plain model."""
-    torch.set_num_threads(2)
+    """Backward through 300 flattened layers writes a small multiple of what the plain model's writes."""
     plain = nn.Sequential(*[nn.Linear(32, 32) for _ in range(300)])
     flat = copy.deepcopy(plain)
     register_flat_storage(flat)
     x = torch.randn(8, 32)
-    t_plain = min(_fwd_bwd_time(plain, x) for _ in range(2))
-    t_flat = min(_fwd_bwd_time(flat, x) for _ in range(2))
-    # Per-access slicing would cost one full-size gradient per parameter (about 600x the
-    # buffer here); a generous bound catches that order-of-magnitude regression.
-    assert t_flat < 4 * t_plain, (t_flat, t_plain)
+    # Per-access slicing would write one full-size gradient per parameter (about 200x the
+    # plain model's backward here); one split per pass adds one copy of the flat gradient.
+    assert _backward_elements(flat, x) < 3 * _backward_elements(plain, x)
 
 
 def test_views_are_rebuilt_after_an_optimizer_step():
@@ -248,22 +261,34 @@ def test_parametrize_api_keeps_working():
     torch.testing.assert_close(model[0].parametrizations["weight"](), model[0].weight)
 
 
+def _python_calls_per_read(module: nn.Module, reads: int = 100) -> float:
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        for _ in range(reads):
+            _ = module.weight
+    finally:
+        sys.setprofile(None)
+    return calls / reads
+
+
 def test_attribute_access_cost_is_bounded():
-    """One flattened attribute read stays within an order of magnitude of a plain read."""
+    """A cached attribute read builds no view, dispatches no op and runs a few Python frames."""
     layer = nn.Linear(3, 3)
     plain = nn.Linear(3, 3)
     register_flat_storage(layer)
-
-    def cost(module: nn.Module) -> float:
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(2000):
-                _ = module.weight
-            best = min(best, (time.perf_counter() - start) / 2000)
-        return best
-
-    assert cost(layer) < 20 * cost(plain) + 5e-6
+    first = layer.weight
+    with _Dispatched() as dispatched:
+        views = {id(layer.weight) for _ in range(100)}
+    assert dispatched.ops == 0
+    assert views == {id(first)}
+    # parametrize's own property runs 17 frames per read (identity parametrization); a plain read one.
+    assert _python_calls_per_read(layer) <= _python_calls_per_read(plain) + 5
 
 
 def test_deepcopy_after_use_does_not_copy_cached_views():

@@ -15,7 +15,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _models import TiedLM, assert_same_values, mlp, twin, values
+from _helpers import TiedLM, assert_same_values, mlp, twin, values
 
 
 def _pair(factory: Callable[[], nn.Module] = mlp, **kwargs: Any) -> tuple[nn.Module, nn.Module, Any]:

@@ -1,0 +1,335 @@
+"""Everything the tests share (import as `from _helpers import ...`).
+
+- model builders: :class:`TiedLM`, :class:`WithOwnParam`, :func:`mlp`, :func:`twin`;
+- plain-twin assertions: :func:`values`, :func:`assert_same_values`, :func:`assert_close_state`;
+- snapshots of everything a failed call must leave untouched: :func:`snapshot`,
+  :func:`assert_unchanged`, :func:`assert_plain`;
+- the gloo launcher: :func:`spawn_gloo` runs a worker in 2 processes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from flatten_parametrize import get_flat_storage
+
+# --------------------------------------------------------------------------- models
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output head shares the embedding matrix."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.body = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.norm(self.embed(tokens)))))
+
+
+class WithOwnParam(nn.Module):
+    """A module with a parameter of its own before its children, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([1.5, -0.5, 2.0]))
+        self.fc = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("offset", torch.tensor([0.1, 0.2, 0.3]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x * self.scale + self.offset))
+
+
+def mlp(depth: int = 3, width: int = 5, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def twin(model: nn.Module) -> nn.Module:
+    """Return an independent copy made before any flattening."""
+    return copy.deepcopy(model)
+
+
+# ------------------------------------------------------------ plain-twin assertions
+
+
+def values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        if tol:
+            torch.testing.assert_close(a[key], b[key], **tol)
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+def assert_close_state(a: nn.Module, b: nn.Module, **tol: float) -> None:
+    """Assert that two models have the same state-dict keys, in order, and close values."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for key in sa:
+        torch.testing.assert_close(sa[key], sb[key], msg=key, **tol)
+
+
+# --------------------------------------------------------------------------- snapshot
+
+#: Attributes the library (or torch.nn.utils.parametrize) may put in a module's __dict__.
+_LIB_ATTRS = ("parametrizations", "_flat_parametrize", "_flat_storage")
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_ABSENT = object()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor | None:
+    """Return a bitwise image of ``t`` (None when it has no values: meta, lazy)."""
+    if isinstance(t, nn.parameter.UninitializedTensorMixin) or t.is_meta:
+        return None
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    t = t.clone().contiguous().reshape(-1)
+    return t if t.dtype == torch.bool else t.view(torch.uint8)
+
+
+def _describe(t: torch.Tensor) -> tuple[Any, ...]:
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        return (type(t),)
+    return (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Record everything a failed call must leave untouched."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    buffers = list(model.named_buffers(remove_duplicate=False))
+    modules = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        modules.append(
+            {
+                "name": name,
+                "module": module,
+                "type": type(module),
+                "class_attrs": sorted(type(module).__dict__),
+                "lib_attrs": {k: module.__dict__.get(k, _ABSENT) for k in _LIB_ATTRS},
+                "children": list(module._modules.items()),
+                "own_params": list(module._parameters.items()),
+                "own_buffers": list(module._buffers.items()),
+                "hooks": {h: list(getattr(module, h, {}).items()) for h in _HOOK_DICTS},
+                "parametrized": sorted(getattr(module, "parametrizations", {}).keys())
+                if parametrize.is_parametrized(module)
+                else None,
+            }
+        )
+    state = model.state_dict()
+    storage = get_flat_storage(model)
+    return {
+        "params": [
+            (n, p, _describe(p), _bits(p), p.grad, None if p.grad is None else _bits(p.grad))
+            for n, p in params
+        ],
+        "buffers": [(n, b, _describe(b), _bits(b)) for n, b in buffers],
+        "modules": modules,
+        "state_keys": list(state),
+        "state_values": {
+            k: (_describe(v), _bits(v)) for k, v in state.items() if isinstance(v, torch.Tensor)
+        },
+        "storage": storage,
+        "storage_state": None
+        if storage is None
+        else (
+            storage.is_flattened,
+            storage.group_names,
+            [id(f) for f in storage.flat_params],
+            storage.param_infos,
+            [_bits(f) for f in storage.flat_params],
+        ),
+    }
+
+
+def assert_unchanged(model: nn.Module, snap: dict[str, Any]) -> None:
+    """Assert that ``model`` is exactly as recorded by :func:`snapshot`."""
+    now = snapshot(model)
+    # Same parameter objects under the same names, same values and gradients.
+    assert [n for n, *_ in now["params"]] == [n for n, *_ in snap["params"]]
+    for (name, p, desc, bits, grad, grad_bits), (_, p2, desc2, bits2, grad2, grad_bits2) in zip(
+        snap["params"], now["params"]
+    ):
+        assert p2 is p, f"parameter {name} was replaced"
+        assert desc2 == desc, f"parameter {name} changed type/shape/dtype/device/requires_grad"
+        assert _same_bits(bits, bits2), f"parameter {name} changed value"
+        assert grad2 is grad, f"gradient of {name} was replaced"
+        assert _same_bits(grad_bits, grad_bits2), f"gradient of {name} changed value"
+    assert [n for n, *_ in now["buffers"]] == [n for n, *_ in snap["buffers"]]
+    for (name, b, desc, bits), (_, b2, desc2, bits2) in zip(snap["buffers"], now["buffers"]):
+        assert b2 is b, f"buffer {name} was replaced"
+        assert desc2 == desc, f"buffer {name} changed type/shape/dtype/device"
+        assert _same_bits(bits, bits2), f"buffer {name} changed value"
+    # Same module tree, classes, library attributes, hooks.
+    assert [m["name"] for m in now["modules"]] == [m["name"] for m in snap["modules"]]
+    for before, after in zip(snap["modules"], now["modules"]):
+        where = before["name"] or "<root>"
+        assert after["module"] is before["module"], f"module {where} was replaced"
+        assert after["type"] is before["type"], f"class of {where} changed"
+        assert after["class_attrs"] == before["class_attrs"], f"class attributes of {where} changed"
+        for key, value in before["lib_attrs"].items():
+            assert after["lib_attrs"][key] is value, f"{where}.__dict__[{key!r}] changed"
+        assert after["children"] == before["children"], f"children of {where} changed"
+        assert [(k, id(v)) for k, v in after["own_params"]] == [
+            (k, id(v)) for k, v in before["own_params"]
+        ], f"_parameters of {where} changed"
+        assert [(k, id(v)) for k, v in after["own_buffers"]] == [
+            (k, id(v)) for k, v in before["own_buffers"]
+        ], f"_buffers of {where} changed"
+        assert after["hooks"] == before["hooks"], f"hooks of {where} changed"
+        assert after["parametrized"] == before["parametrized"], f"parametrizations of {where} changed"
+        if before["lib_attrs"]["parametrizations"] is _ABSENT:
+            assert "parametrizations" not in after["module"]._modules, f"{where} got a parametrizations child"
+    # Same storage, mode and flat values; same state dict.
+    assert get_flat_storage(model) is snap["storage"]
+    if snap["storage_state"] is not None:
+        was_flat, groups, flat_ids, infos, flat_bits = snap["storage_state"]
+        storage = snap["storage"]
+        assert storage.is_flattened == was_flat, "flat/unflattened mode changed"
+        assert storage.group_names == groups
+        assert [id(f) for f in storage.flat_params] == flat_ids, "a flat parameter was replaced"
+        assert storage.param_infos == infos
+        for g, (a, b) in enumerate(zip(flat_bits, [_bits(f) for f in storage.flat_params])):
+            assert _same_bits(a, b), f"flat parameter of group {groups[g]} changed value"
+    assert now["state_keys"] == snap["state_keys"], "state_dict keys changed"
+    for key, (desc, bits) in snap["state_values"].items():
+        desc2, bits2 = now["state_values"][key]
+        assert desc2[1:4] == desc[1:4], f"state_dict entry {key} changed shape/dtype/device"
+        assert _same_bits(bits, bits2), f"state_dict entry {key} changed value"
+
+
+def assert_plain(model: nn.Module) -> None:
+    """Assert that nothing of the library is left on ``model``."""
+    assert get_flat_storage(model) is None
+    for name, module in model.named_modules():
+        for attr in ("_flat_parametrize", "_flat_storage"):
+            assert attr not in module.__dict__, f"{name or '<root>'} keeps {attr}"
+        assert not parametrize.is_parametrized(module), f"{name or '<root>'} is parametrized"
+        assert not any(k.__dict__.get("_flat_parametrize_class") for k in type(module).__mro__), (
+            f"{name or '<root>'} keeps an injected class"
+        )
+
+
+# ------------------------------------------------------------------ gloo launcher
+
+
+class RankFailed(AssertionError):
+    """A spawned rank raised, crashed or was killed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(
+    worker: Callable[[int, int, Path], None], rank: int, world: int, port: int, outdir: str, timeout_s: float
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        worker(rank, world, Path(outdir))
+    except BaseException:
+        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    dist.destroy_process_group()
+
+
+def spawn_gloo(
+    worker: Callable[[int, int, Path], None],
+    outdir: Path,
+    *,
+    world: int = 2,
+    deadline_s: float = 150.0,
+    grace_s: float = 20.0,
+    collective_timeout_s: float = 60.0,
+) -> None:
+    """Run ``worker(rank, world, outdir)`` in ``world`` spawned gloo processes on 127.0.0.1.
+
+    ``worker`` must be a module-level function (it is pickled). As soon as one
+    rank fails, the others get ``grace_s`` seconds to finish (a worker that
+    expects the failure records what it saw); after that, or after
+    ``deadline_s`` in all, every leftover process is killed and
+    :class:`RankFailed` reports each failure (a rank's traceback is in
+    ``outdir/rank<r>.err``). A rank stuck in a collective fails after
+    ``collective_timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(
+            target=_entry, args=(worker, rank, world, port, str(outdir), collective_timeout_s), daemon=True
+        )
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    start, failed_at = time.monotonic(), None
+    try:
+        while any(proc.is_alive() for proc in procs):
+            now = time.monotonic()
+            if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
+                failed_at = now
+            if now - start > deadline_s or (failed_at is not None and now - failed_at > grace_s):
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+    errors = []
+    for rank, proc in enumerate(procs):
+        if (outdir / f"rank{rank}.err").exists():
+            errors.append(f"rank {rank} raised:\n{(outdir / f'rank{rank}.err').read_text()}")
+        elif proc.exitcode != 0:
+            errors.append(f"rank {rank} ended with exit code {proc.exitcode} (killed if negative)")
+    if errors:
+        raise RankFailed("\n".join(errors))
