@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from ._names import MODULE_STATE_ATTR, registered_storage
+from ._pickling import copy_alone, reduce_flattened
 from ._records import ModuleState
 from ._state_dict import load_module, save_module
 from ._view_cache import make_property
@@ -106,6 +107,9 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     state = _state(self)
     if state is not None:
         state.storage.sync_writes()  # a `.data` write not landed yet lives in a cached view only
+        root = state.storage.module_unchecked
+        if root is not self and id(root) not in memo:
+            return copy_alone(self, memo)  # copied on its own: a standalone plain module
     base_copy = getattr(base_of(self), "__deepcopy__", None)
     if base_copy is not None:
         replica = base_copy(self, memo)
@@ -121,12 +125,8 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return replica
 
 
-def _getstate(self: nn.Module) -> Any:
-    raise RuntimeError(
-        f"cannot pickle {type(self).__name__}: it is part of a flattened module, whose "
-        "classes are generated at registration. Save module.state_dict() (or "
-        "storage.flat_state_dict()) instead, or call remove_flat_storage first"
-    )
+def _reduce_ex(self: nn.Module, proto: Any) -> Any:
+    return reduce_flattened(self, proto)
 
 
 def _prepare_scriptable(self: nn.Module) -> nn.Module:
@@ -146,7 +146,7 @@ METHODS: dict[str, Any] = {
     "register_parameter": register_parameter,
     "_apply": _apply,
     "__deepcopy__": _deepcopy,
-    "__getstate__": _getstate,
+    "__reduce_ex__": _reduce_ex,
     "__prepare_scriptable__": _prepare_scriptable,
 }
 

@@ -149,6 +149,9 @@ class Coordinator(Protocol):
     def sync_writes(self) -> None:
         """Land (or refuse) the writes made around the views since the last call."""
 
+    def flat_state_dict(self) -> Any:
+        """The module's state dict in flat form."""
+
     def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
         """What ``module.<attr>`` serves when its ``_parameters`` holds ``attr``."""
 

@@ -719,11 +719,34 @@ class FlatStorage:
         new._added = [c for f in self._added if (c := f.copy_for(new, memo)) is not None]
         return new
 
+    @staticmethod
+    def restore_pickled(root: nn.Module, state: tuple[dict[str, Any], Any]) -> None:
+        """Give an unpickled registered module its state, then register its storage again.
+
+        ``state`` is the module's cleaned ``__dict__`` (its slots already
+        parameters viewing the loaded flat parameters) and the
+        ``_pickling.StorageRecord`` of its storage. Internal: the unpickler calls
+        it (see ``_pickling.py``).
+        """
+        own, record = state
+        root.__setstate__(own)
+        modules = dict(root.named_modules(remove_duplicate=False))
+        slots = []
+        for name, aliases, group_index, index in record.slots:
+            owner, attr = surgery.locate(modules, name)
+            param = owner._parameters[attr]
+            assert param is not None
+            slots.append(Slot(name, aliases, group_index, index, param))
+        storage = FlatStorage(root, record.group_names, record.flats, record.layouts, slots)
+        install_storage(storage)
+        if not record.flattened:
+            storage.unflatten()
+
     def __getstate__(self) -> None:
-        # Pickling the whole model would rebuild the coordinator here and give it its
-        # features' state as deepcopy does (``Feature.copy_for``).
+        # The registered module pickles itself with a record of its storage (``_pickling.py``).
         raise RuntimeError(
-            "a FlatStorage cannot be pickled; save module.state_dict() or storage.flat_state_dict() instead"
+            "a FlatStorage cannot be pickled on its own; pickle the registered module "
+            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
         )
 
     def __repr__(self) -> str:

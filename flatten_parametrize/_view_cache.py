@@ -331,9 +331,9 @@ class GroupViews:
 
     def __getstate__(self) -> None:
         raise RuntimeError(
-            "a flattened module cannot be pickled (its classes are generated at "
-            "registration); save module.state_dict() or storage.flat_state_dict() "
-            "instead, or call remove_flat_storage first"
+            "the view cache of a flat storage cannot be pickled on its own; pickle the "
+            "registered module (torch.save(model)), or save module.state_dict() or "
+            "storage.flat_state_dict()"
         )
 
 
