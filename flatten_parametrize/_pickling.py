@@ -250,6 +250,15 @@ def reduce_flattened(module: nn.Module, proto: Any) -> Any:
     storage = state.storage
     storage.sync_writes()
     if registered_storage(module) is storage:
+        live = storage.live_names()
+        dead = [name for slot in storage.slots() for name in slot.all_names if name not in live]
+        if dead:
+            raise RuntimeError(
+                f"cannot pickle {type(module).__name__}: {dead[0]} was replaced or deleted after "
+                "register_flat_storage, and a pickled model is registered again with its original "
+                "layout; call remove_flat_storage(model) and register_flat_storage(model) again "
+                "before pickling, or save model.state_dict()"
+            )
         context = _Context(storage, member=True)
         func, args, own = _reduce_module(module, context, proto)
         restore = type(storage).restore_pickled

@@ -149,6 +149,9 @@ class Coordinator(Protocol):
     def sync_writes(self) -> None:
         """Land (or refuse) the writes made around the views since the last call."""
 
+    def live_names(self) -> set[str]:
+        """Every flattened name whose module was not replaced or deleted since registration."""
+
     def flat_state_dict(self) -> Any:
         """The module's state dict in flat form."""
 

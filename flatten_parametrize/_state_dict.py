@@ -222,9 +222,8 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
     ours = [k for k in by_key if k in state_dict]
     if not ours:
         return
-    original = next(
-        (prefix + n for s in storage.slots() for n in s.all_names if prefix + n in state_dict), None
-    )
+    live = storage.live_names()
+    original = next((prefix + n for n in sorted(live) if prefix + n in state_dict), None)
     if original is not None:
         raise ValueError(
             f"state dict mixes the flat form ('{ours[0]}') and the unflattened form "
@@ -265,7 +264,8 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
         views = group.split(flat)
         for slot in group.members:
             for name in slot.all_names:
-                state_dict[prefix + name] = views[slot.index]
+                if name in live:  # a replaced submodule loads its own entries
+                    state_dict[prefix + name] = views[slot.index]
 
 
 class Snapshot:

@@ -192,8 +192,18 @@ class FlatStorage:
         return self._flattened
 
     # ------------------------------------------------------------------- views
-    def _names(self, slot: Slot, remove_duplicate: bool) -> tuple[str, ...]:
-        return (slot.name,) if remove_duplicate else slot.all_names
+    def _live(self, slot: Slot, modules: dict[str, nn.Module], remove_duplicate: bool) -> tuple[str, ...]:
+        names = surgery.live_names(self, slot, modules)
+        return names[:1] if remove_duplicate else names
+
+    def live_names(self) -> set[str]:
+        """Return every flattened name whose module is still where registration found it.
+
+        A submodule replaced or deleted after registration leaves its names dead
+        (internal read API: state dicts and inspection use it).
+        """
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return {name for slot in self._slots for name in surgery.live_names(self, slot, modules)}
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(name, tensor)`` for every flattened parameter, as the module serves it.
@@ -217,7 +227,7 @@ class FlatStorage:
         self.sync_writes()
         modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
-            for name in self._names(slot, remove_duplicate):
+            for name in self._live(slot, modules, remove_duplicate):
                 owner, attr = surgery.locate(modules, name)
                 yield name, getattr(owner, attr)
 
@@ -244,9 +254,10 @@ class FlatStorage:
             return
         self.sync_writes()
         grads = [group.grad_views() for group in self._groups]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
             split = grads[slot.group_index]
-            for name in self._names(slot, remove_duplicate):
+            for name in self._live(slot, modules, remove_duplicate):
                 yield name, None if split is None else split[slot.index]
 
     def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
@@ -297,10 +308,11 @@ class FlatStorage:
         """
         items = self._per_group(tensors, "views_of()", exact=False)
         splits = [group.split(t) for group, t in zip(self._groups, items)]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         return {
             name: splits[slot.group_index][slot.index]
             for slot in self._slots
-            for name in self._names(slot, remove_duplicate)
+            for name in self._live(slot, modules, remove_duplicate)
         }
 
     # ------------------------------------------------------------ mode toggles
@@ -651,7 +663,7 @@ class FlatStorage:
         for group in self._groups:
             out[group.flat_name] = self._current_flat(group, plain)
             out[flat_layout_name(group.name)] = layout_record(group)
-        flattened = {name for slot in self._slots for name in slot.all_names}
+        flattened = self.live_names()  # a replaced submodule's entries are its own, ordinary ones
         for key, value in plain.items():
             if key not in flattened:
                 out[key] = value
@@ -664,7 +676,10 @@ class FlatStorage:
         if self._flattened:
             return flat
         targets = group.split(flat)
-        stale = [s for s in group.members if not same_memory(plain[s.name], targets[s.index])]
+        live = self.live_names()
+        stale = [
+            s for s in group.members if s.name in live and not same_memory(plain[s.name], targets[s.index])
+        ]
         if not stale:
             return flat
         with torch.no_grad():

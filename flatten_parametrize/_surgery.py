@@ -31,6 +31,7 @@ __all__ = [
     "flatten_module",
     "install",
     "invalidate",
+    "live_names",
     "locate",
     "refresh_originals",
     "rewrap_flat_param",
@@ -44,6 +45,24 @@ def locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, st
     """Return the module that owns parameter ``qualified`` and the attribute name there."""
     path, _, attr = qualified.rpartition(".")
     return modules[path], attr
+
+
+def live_names(storage: Coordinator, slot: Slot, modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """Return the names of ``slot`` whose module is still in the tree (not replaced or deleted since).
+
+    A name is live while the module at its path is one that ``storage`` changed
+    and that serves the attribute from its slot. A submodule replaced after
+    registration (a new head) holds ordinary parameters; the slot it replaced is
+    dead space in the flat buffer.
+    """
+    names = []
+    for name in slot.all_names:
+        path, _, attr = name.rpartition(".")
+        owner = modules.get(path)
+        state = None if owner is None else owner.__dict__.get(MODULE_STATE_ATTR)
+        if isinstance(state, ModuleState) and state.storage is storage and attr in state.slots:
+            names.append(name)
+    return tuple(names)
 
 
 def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
@@ -214,8 +233,8 @@ def _restore_module(
             container._modules.pop(attr, None)
     for slot in slots:
         for name in slot.all_names:
-            found, attr = locate(modules, name)
-            if found is owner:
+            path, _, attr = name.rpartition(".")
+            if modules.get(path) is owner:
                 owner._parameters[attr] = slot.param
     _reorder(owner._parameters, state.order)
     if isinstance(container, HiddenParametrizations):
@@ -234,16 +253,15 @@ def _restore_module(
 
 
 # ------------------------------------------------------------------ mode switches
-def _current_params(
-    groups: Sequence[Group], slots: Sequence[Slot], modules: dict[str, nn.Module]
-) -> list[nn.Parameter]:
-    """Return the parameter each slot holds in unflattened mode, after checking it."""
-    current = []
-    for slot in slots:
+def _current_params(storage: Coordinator, modules: dict[str, nn.Module]) -> list[nn.Parameter | None]:
+    """Return the parameter each slot holds in unflattened mode (``None``: a dead slot), after checking it."""
+    groups = storage.groups()
+    current: list[nn.Parameter | None] = []
+    for slot in storage.slots():
         found: list[Any] = []
         group = groups[slot.group_index]
         shape = group.layout.shapes[slot.index]
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             param = owner._parameters.get(attr)
             if not isinstance(param, Tensor):
@@ -271,7 +289,7 @@ def _current_params(
                     "same nn.Parameter to every name of a tied parameter"
                 )
             found.append(param)
-        current.append(found[0])
+        current.append(found[0] if found else None)
     return current
 
 
@@ -280,10 +298,9 @@ def flatten_module(storage: Coordinator, tx: Transaction) -> None:
     root = storage.module
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
-    current = _current_params(groups, slots, modules)
-    by_group = [
-        [(slot, current[i]) for i, slot in enumerate(slots) if slot.group_index == g.index] for g in groups
-    ]
+    current = _current_params(storage, modules)
+    live = [(slot, param) for slot, param in zip(slots, current) if param is not None]
+    by_group = [[(slot, param) for slot, param in live if slot.group_index == g.index] for g in groups]
     new_grads: list[Tensor | None] = []
     for group, members in zip(groups, by_group):
         flat = group.flat
@@ -310,10 +327,10 @@ def flatten_module(storage: Coordinator, tx: Transaction) -> None:
                 tx.write(targets[slot.index], param.detach())
     for group, grad in zip(groups, new_grads):
         tx.set_attr(group.flat, "grad", grad)
-    for slot, param in zip(slots, current):
+    for slot, param in live:  # not the dead slots: their modules were replaced or deleted
         tx.set_attr(param, "grad", None)
         tx.set_attr(slot, "param", param)
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             tx.keep_dict(owner._parameters)
             owner._parameters.pop(attr, None)
@@ -338,7 +355,7 @@ def unflatten_module(storage: Coordinator, tx: Transaction) -> None:
         root._parameters.pop(group.flat_name, None)
     touched = {}
     for slot in slots:
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             tx.keep_dict(owner._parameters)
             owner._parameters[attr] = slot.param
