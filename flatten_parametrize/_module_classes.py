@@ -130,9 +130,13 @@ def _reduce_ex(self: nn.Module, proto: Any) -> Any:
 
 
 def _prepare_scriptable(self: nn.Module) -> nn.Module:
+    state = _state(self)
+    if state is None or not state.storage.is_flattened:
+        return self  # unflattened mode: the attributes are the module's own parameters
     raise RuntimeError(
         f"torch.jit.script cannot compile {type(self).__name__}: it is part of a flattened module, "
-        "whose attributes are served by the flat storage. Script a plain copy instead "
+        "whose attributes are served by the flat storage. Script it inside storage.unflattened(), "
+        "or a plain copy "
         "(copy = copy.deepcopy(model); remove_flat_storage(copy); torch.jit.script(copy)), "
         "or use torch.jit.trace on the registered module, which reads the flat parameters"
     )

@@ -198,8 +198,8 @@ def _clean_dict(module: nn.Module, state: ModuleState, context: _Context) -> dic
 
 def _reduce_module(module: nn.Module, context: _Context, proto: Any) -> Any:
     """Reduce ``module`` within ``context``: its original class and a cleaned ``__dict__``."""
-    state = module.__dict__.get(MODULE_STATE_ATTR)
-    if not isinstance(state, ModuleState) or state.storage is not context.storage:
+    state = context.storage.state_of(module)
+    if state is None:
         # A module the storage did not change: its own reduction, with its children wrapped.
         reduced = module.__reduce_ex__(max(proto, 2))
         if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):

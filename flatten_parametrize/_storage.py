@@ -30,7 +30,15 @@ from ._flat_parameter import FlatParameter
 from ._functional import Functional, StackedTensors
 from ._inspect import storage_html, storage_repr, summary_table
 from ._layout import GroupLayout
-from ._names import MODULE_STATE_ATTR, flat_layout_name, flat_param_name, registered_storage
+from ._module_classes import clone_class
+from ._names import (
+    MODULE_STATE_ATTR,
+    UNFLATTENED,
+    flat_layout_name,
+    flat_param_name,
+    library_state,
+    registered_storage,
+)
 from ._offload import DiskOffload
 from ._per_group import per_group
 from ._plot import plot_layout
@@ -461,16 +469,25 @@ class FlatStorage:
         surgery.invalidate(self._groups)
 
     # ------------------------------------------------------------ write paths
-    def _owner_states(self) -> list[tuple[nn.Module, ModuleState]]:
-        """Return every module this storage changed, with its state (cached after the first walk)."""
+    def members(self) -> list[tuple[nn.Module, ModuleState]]:
+        """Return every module this storage changed (still alive), with its state (internal read API).
+
+        Recorded at registration; in unflattened mode the modules other than the
+        registered one are plain (original class, no library state in ``__dict__``).
+        """
         if self._owners is None:
             self._owners = [
                 (weakref.ref(module), state)
-                for module in {id(m): m for m in self.module.modules()}.values()
+                for module in {id(m): m for m in self.module_unchecked.modules()}.values()
                 if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
                 and state.storage is self
             ]
         return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
+
+    def state_of(self, module: nn.Module) -> ModuleState | None:
+        """Return the library's state of ``module`` if this storage changed it, in either mode."""
+        state = library_state(module)
+        return state if isinstance(state, ModuleState) and state.storage is self else None
 
     def sync_writes(self) -> None:
         """Land the writes made around the views since the last call, or refuse them.
@@ -506,7 +523,7 @@ class FlatStorage:
                 replaced = True
             if replaced:
                 self._adopt_flat_params()
-        land_direct_writes(self._owner_states())
+        land_direct_writes(self.members())
         for group in self._groups:
             group.views.sync()
 
@@ -727,7 +744,15 @@ class FlatStorage:
         new._flattened = self._flattened
         new._using_depth = 0
         new._pending = None
-        new._owners = None
+        new._owners = []
+        for module, state in self.members():
+            if id(module) in memo:
+                state_copy = copy.deepcopy(state, memo)
+                if state_copy.injected is not None and state_copy.injected is state.injected:
+                    state_copy.injected = clone_class(state.injected)  # never share a class with the original
+                if module in UNFLATTENED:
+                    UNFLATTENED[memo[id(module)]] = state_copy
+                new._owners.append((weakref.ref(memo[id(module)]), state_copy))
         new._grad_sync = self._grad_sync.copy_for(new, memo)
         new._disk = self._disk.copy_for(new, memo)
         new._functional = self._functional.copy_for(new, memo)
@@ -1147,6 +1172,7 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
 def install_storage(storage: FlatStorage) -> None:
     """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
     atomically(lambda tx: surgery.install(storage, tx))
+    storage.members()  # recorded now: unflattened mode takes the state out of the modules
     watch(storage)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._layout import GroupLayout
 from ._module_classes import METHODS, add_property, make_class
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from ._parametrize_interop import HiddenParametrizations, register_view
 from ._records import Coordinator, Group, ModuleState, Slot
 from ._transaction import Transaction
@@ -59,8 +59,8 @@ def live_names(storage: Coordinator, slot: Slot, modules: dict[str, nn.Module]) 
     for name in slot.all_names:
         path, _, attr = name.rpartition(".")
         owner = modules.get(path)
-        state = None if owner is None else owner.__dict__.get(MODULE_STATE_ATTR)
-        if isinstance(state, ModuleState) and state.storage is storage and attr in state.slots:
+        state = None if owner is None else storage.state_of(owner)
+        if state is not None and attr in state.slots:
             names.append(name)
     return tuple(names)
 
@@ -165,10 +165,7 @@ def install(storage: Coordinator, tx: Transaction) -> None:
         group.flat.grad = grad
     for slot in slots:
         tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
-    tx.keep_dict(root._forward_pre_hooks)
-    tx.keep_dict(root._forward_hooks)
-    root.register_forward_pre_hook(trace_split)
-    root.register_forward_hook(end_trace_split)
+    _add_trace_hooks(root, tx)
     root.__dict__[STORAGE_ATTR] = storage
     refresh_originals(groups, slots, tx)
 
@@ -209,13 +206,25 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
         root._parameters.pop(group.flat_name, None)
     for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
         _restore_module(owner, slots, modules, tx)
+    _remove_trace_hooks(root, tx)
+    tx.keep_dict(root.__dict__)
+    root.__dict__.pop(STORAGE_ATTR, None)
+
+
+def _add_trace_hooks(root: nn.Module, tx: Transaction) -> None:
+    """Have the registered module's forward split each group once when compiled or traced."""
+    tx.keep_dict(root._forward_pre_hooks)
+    tx.keep_dict(root._forward_hooks)
+    root.register_forward_pre_hook(trace_split)
+    root.register_forward_hook(end_trace_split)
+
+
+def _remove_trace_hooks(root: nn.Module, tx: Transaction) -> None:
     for hooks in (root._forward_pre_hooks, root._forward_hooks):
         tx.keep_dict(hooks)
         for hook_id, hook in list(hooks.items()):
             if hook is trace_split or hook is end_trace_split:
                 del hooks[hook_id]
-    tx.keep_dict(root.__dict__)
-    root.__dict__.pop(STORAGE_ATTR, None)
 
 
 def _restore_module(
@@ -296,6 +305,9 @@ def _current_params(storage: Coordinator, modules: dict[str, nn.Module]) -> list
 def flatten_module(storage: Coordinator, tx: Transaction) -> None:
     """Write unflattened-mode values and gradients into the flat buffers; views serve the attributes again."""
     root = storage.module
+    for owner, state in storage.members():
+        _take_back_class(owner, state, tx)
+    _add_trace_hooks(root, tx)
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
     current = _current_params(storage, modules)
@@ -362,3 +374,37 @@ def unflatten_module(storage: Coordinator, tx: Transaction) -> None:
             touched[id(owner)] = owner
     for owner in touched.values():
         _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)
+    for owner, state in storage.members():
+        if owner is not root:
+            _give_back_class(owner, state, tx)
+    _remove_trace_hooks(root, tx)  # plain forward (torch.jit.script compiles hooks)
+
+
+def _give_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
+    """Unflattened mode: ``owner`` becomes its original class with a plain ``__dict__`` (state kept aside)."""
+    if MODULE_STATE_ATTR not in owner.__dict__:
+        return
+    tx.keep_dict(owner.__dict__)
+    tx.set_attr(state, "injected", type(owner))
+    container = owner.__dict__.get("parametrizations")
+    if isinstance(container, HiddenParametrizations):
+        tx.set_attr(state, "hidden", owner.__dict__.pop("parametrizations"))
+    del owner.__dict__[MODULE_STATE_ATTR]
+    UNFLATTENED[owner] = state
+    tx.on_undo(lambda: UNFLATTENED.pop(owner, None))
+    tx.set_attr(owner, "__class__", state.prev_class)
+
+
+def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
+    """Flat mode again: ``owner`` gets the library's class, state and container back."""
+    if state.injected is None:
+        return
+    tx.keep_dict(owner.__dict__)
+    owner.__dict__[MODULE_STATE_ATTR] = state
+    UNFLATTENED.pop(owner, None)
+    tx.on_undo(lambda: UNFLATTENED.__setitem__(owner, state))
+    if state.hidden is not None:
+        owner.__dict__["parametrizations"] = state.hidden
+        tx.set_attr(state, "hidden", None)
+    tx.set_attr(owner, "__class__", state.injected)
+    tx.set_attr(state, "injected", None)

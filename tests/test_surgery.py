@@ -163,3 +163,81 @@ def test_pickling_after_a_replacement_is_refused_with_the_path():
     copied = copy.deepcopy(model)  # deepcopy copies the changed tree as it is
     x = torch.randn(2, 4)
     assert torch.equal(copied(x), model(x))
+
+
+# ------------------------------------------------------------- unflattened mode is a plain model
+class ConvNet(nn.Module):
+    """Conv + BatchNorm + ReLU and a Linear head: what fusion and quantization look for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.bn = nn.BatchNorm2d(3)
+        self.relu = nn.ReLU()
+        self.fc = nn.Linear(3 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def _conv_pair() -> tuple[ConvNet, ConvNet, torch.Tensor]:
+    plain = ConvNet()
+    x = torch.randn(4, 2, 6, 6)
+    plain.train()
+    plain(x)  # non-trivial running statistics
+    plain.eval()
+    flat = twin(plain)
+    register_flat_storage(flat)
+    return plain, flat, x
+
+
+def test_unflattened_mode_gives_back_the_original_classes_without_minting_new_ones():
+    """Inside unflattened(), `type(model.conv) is nn.Conv2d` and no library state is in the module."""
+    _, flat, _ = _conv_pair()
+    storage = get_flat_storage(flat)
+    flat_classes = [type(m) for m in flat.modules()]
+    for _ in range(2):
+        with storage.unflattened():
+            assert (
+                type(flat.conv) is nn.Conv2d
+                and type(flat.fc) is nn.Linear
+                and type(flat.bn) is nn.BatchNorm2d
+            )
+            assert not any(k.startswith("_flat") or k == "parametrizations" for k in flat.conv.__dict__)
+        assert [type(m) for m in flat.modules()] == flat_classes
+
+
+def test_quantize_dynamic_inside_unflattened_equals_the_plain_result():
+    """torch.ao.quantization.quantize_dynamic finds the exact nn.Linear type and gives the plain output."""
+    plain, flat, x = _conv_pair()
+    expected = torch.ao.quantization.quantize_dynamic(plain, {nn.Linear})(x)
+    with get_flat_storage(flat).unflattened():
+        quantized = torch.ao.quantization.quantize_dynamic(flat, {nn.Linear})
+    assert type(quantized.fc) is not nn.Linear and torch.equal(quantized(x), expected)
+    assert torch.equal(flat(x), plain(x))  # the model itself is unchanged
+
+
+def test_fusion_inside_unflattened_equals_the_plain_result():
+    """fuse_modules and fuse_conv_bn_eval work there and equal the plain results."""
+    plain, flat, x = _conv_pair()
+    storage = get_flat_storage(flat)
+    expected = torch.ao.quantization.fuse_modules(plain, [["conv", "bn", "relu"]])(x)
+    expected_conv = torch.nn.utils.fusion.fuse_conv_bn_eval(plain.conv, plain.bn)(x)
+    with storage.unflattened():
+        fused = torch.ao.quantization.fuse_modules(flat, [["conv", "bn", "relu"]])
+        fused_conv = torch.nn.utils.fusion.fuse_conv_bn_eval(flat.conv, flat.bn)
+    assert torch.equal(fused(x), expected) and torch.equal(fused_conv(x), expected_conv)
+    assert torch.equal(flat(x), plain(x))
+    fused_flat = torch.nn.utils.fusion.fuse_conv_bn_eval(flat.conv, flat.bn)  # in flat mode, too
+    assert type(fused_flat) is nn.Conv2d and torch.equal(fused_flat(x), expected_conv)
+
+
+def test_jit_script_inside_unflattened_equals_the_plain_result():
+    """torch.jit.script of the model works inside unflattened() (the flat-mode refusal says so)."""
+    plain, flat, x = _conv_pair()
+    with get_flat_storage(flat).unflattened():
+        scripted = torch.jit.script(flat)
+    assert torch.equal(scripted(x), torch.jit.script(plain)(x))
+    with pytest.raises(RuntimeError, match=r"Script it inside storage\.unflattened\(\)"):
+        torch.jit.script(flat)
