@@ -92,6 +92,17 @@ def register_parameter(self: nn.Module, name: str, param: Any) -> None:
     state.storage.register_via(self, base, name, param)
 
 
+def _delattr(self: nn.Module, name: str) -> None:
+    storage = registered_storage(self)
+    if storage is not None and storage.is_flattened and any(g.flat_name == name for g in storage.groups()):
+        raise RuntimeError(
+            f"cannot delete {name} of {type(self).__name__}: it is a flat parameter that every "
+            "flattened attribute is a view of; call remove_flat_storage(module) to go back to "
+            "ordinary parameters"
+        )
+    _super(self).__delattr__(name)
+
+
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
     storage = registered_storage(self)
     base = _super(self)._apply
@@ -148,6 +159,7 @@ METHODS: dict[str, Any] = {
     "_load_from_state_dict": _load_from_state_dict,
     "load_state_dict": load_state_dict,
     "register_parameter": register_parameter,
+    "__delattr__": _delattr,
     "_apply": _apply,
     "__deepcopy__": _deepcopy,
     "__reduce_ex__": _reduce_ex,

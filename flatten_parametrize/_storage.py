@@ -561,8 +561,17 @@ class FlatStorage:
                     "parameter is not served there; call storage.flatten() (or leave using()) first"
                 )
             check_flat_replacement(group, param)
-            base(name, param)
-            self._adopt_flat_params()
+            original_class = type(param)
+            try:
+                base(name, param)
+                self._adopt_flat_params()
+            except BaseException:  # all or nothing: the old flat parameter stays
+                module._parameters[name] = group.flat
+                self._set_group(group)
+                if type(param) is not original_class:
+                    param.__class__ = original_class
+                surgery.refresh_originals(self._groups, self._slots)
+                raise
             return
         state = module.__dict__.get(MODULE_STATE_ATTR)
         if (

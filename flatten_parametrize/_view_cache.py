@@ -415,4 +415,11 @@ def make_property(name: str) -> property:
             return
         raise _assignment_error(module, name)
 
-    return property(fget, fset, doc=f"View of '{name}' in the flat storage.")
+    def fdel(module: nn.Module) -> None:
+        raise RuntimeError(
+            f"cannot delete {type(module).__name__}.{name}: it is a view of a flat storage, whose "
+            "layout keeps a slot for it. Delete it inside storage.unflattened() (flattening again "
+            "then asks for a parameter of its shape), or call remove_flat_storage first"
+        )
+
+    return property(fget, fset, fdel, doc=f"View of '{name}' in the flat storage.")
