@@ -43,6 +43,7 @@ _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
 _is_tracing = torch._C._is_tracing
+_data_ptr = Tensor.data_ptr
 _MISSING = object()
 
 
@@ -180,10 +181,9 @@ class GroupViews:
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
         flat = self.params[self.flat_name]
-        if self._traced is not None or _is_compiling():
-            # Compiled and traced code see plain tensor ops on the flat parameter: no cache,
-            # no version guard. Inside the registered module's forward the group was split
-            # once (see ``trace_split``).
+        if _is_compiling():
+            # Compiled code sees plain tensor ops: no cache, no version guard. Inside the
+            # registered module's forward the group was split once (see ``trace_split``).
             traced = self._traced
             if traced is not None and traced[0] is flat:
                 chunks = traced[1]
@@ -191,8 +191,12 @@ class GroupViews:
                 chunks = flat.split(self._split)
             return chunks[self._segments[index]].view(self._shapes[index])
         if _jit_trace._trace_module_map is not None and _tracing_a_module():
-            # torch.jit.trace of a submodule: the traced module does not own the flat parameter.
-            raise _submodule_trace_error(self, index)
+            # torch.jit.trace: the graph reads the flat parameter, split once by the
+            # registered module's forward; a traced submodule does not own it.
+            traced = self._traced
+            if traced is None or traced[0] is not flat:
+                raise _submodule_trace_error(self, index)
+            return traced[1][self._segments[index]].view(self._shapes[index])
         if _is_grad_enabled():
             mode = _GRAD
         else:
@@ -264,10 +268,12 @@ class GroupViews:
                 or device than its slot (the flat tensor is then unchanged).
         """
         for entry in list(self._entries):
-            for view, ptr in zip(entry.views, entry.ptrs):
-                if view is not None and view.data_ptr() != ptr:
-                    self._land(entry)
-                    break
+            try:
+                moved = list(map(_data_ptr, entry.views)) != entry.ptrs  # type: ignore[arg-type]
+            except TypeError:  # views not made yet (None): check the made ones
+                moved = any(v is not None and v.data_ptr() != p for v, p in zip(entry.views, entry.ptrs))
+            if moved:
+                self._land(entry)
 
     def _land(self, entry: CacheEntry) -> None:
         """Copy the values assigned through ``.data`` to views of ``entry`` into its flat tensor.
