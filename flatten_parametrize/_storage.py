@@ -99,7 +99,7 @@ class FlatStorage:
         self._using_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self._pending: list[StagedValue] | None = None
-        #: The modules this storage changed, with their state (found on first use).
+        #: The modules this storage changed, with their state (recorded at registration).
         self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
@@ -509,7 +509,7 @@ class FlatStorage:
             return
         if not self._using_depth:
             params = root._parameters
-            replaced = False
+            replaced: list[tuple[Group, Any]] = []
             for group in self._groups:
                 current = params.get(group.flat_name)
                 substitute = isinstance(current, Tensor) and not isinstance(current, nn.Parameter)
@@ -518,14 +518,34 @@ class FlatStorage:
                 try:
                     check_flat_replacement(group, current)
                 except RuntimeError:
-                    params[group.flat_name] = group.flat
+                    params[group.flat_name] = group.flat  # refused: the flat parameter is back
                     raise
-                replaced = True
+                replaced.append((group, current))
             if replaced:
-                self._adopt_flat_params()
+                self._adopt_replacements(replaced)
         land_direct_writes(self.members())
         for group in self._groups:
             group.views.sync()
+
+    def _adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
+        """Adopt parameters registered in flat parameters' places, all or nothing.
+
+        Each becomes its group's ``FlatParameter`` (re-classed in place, with the
+        layout); on failure the old flat parameters are back and the new ones
+        keep their class.
+        """
+        classes = [type(param) for _, param in replaced]
+        try:
+            self._adopt_flat_params()
+        except BaseException:
+            params = self.module._parameters
+            for (group, param), cls in zip(replaced, classes):
+                params[group.flat_name] = group.flat
+                self._set_group(group)
+                if type(param) is not cls:
+                    param.__class__ = cls
+            surgery.refresh_originals(self._groups, self._slots)
+            raise
 
     def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
         """Return what ``module.<attr>`` serves when its ``_parameters`` holds ``attr``.
@@ -561,17 +581,8 @@ class FlatStorage:
                     "parameter is not served there; call storage.flatten() (or leave using()) first"
                 )
             check_flat_replacement(group, param)
-            original_class = type(param)
-            try:
-                base(name, param)
-                self._adopt_flat_params()
-            except BaseException:  # all or nothing: the old flat parameter stays
-                module._parameters[name] = group.flat
-                self._set_group(group)
-                if type(param) is not original_class:
-                    param.__class__ = original_class
-                surgery.refresh_originals(self._groups, self._slots)
-                raise
+            base(name, param)
+            self._adopt_replacements([(group, param)])
             return
         state = module.__dict__.get(MODULE_STATE_ATTR)
         if (
