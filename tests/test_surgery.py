@@ -8,6 +8,7 @@ shown by summary()). Each case against a plain twin changed the same way.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import pickle
 from typing import Callable
 
@@ -241,3 +242,27 @@ def test_jit_script_inside_unflattened_equals_the_plain_result():
     assert torch.equal(scripted(x), torch.jit.script(plain)(x))
     with pytest.raises(RuntimeError, match=r"Script it inside storage\.unflattened\(\)"):
         torch.jit.script(flat)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("opacus") is None, reason="opacus is not installed")
+def test_opacus_per_sample_gradients_inside_unflattened_equal_the_plain_ones():
+    """opacus' per-layer grad samplers look up exact module types: they work inside unflattened()."""
+    from opacus import GradSampleModule
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv1d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4, 2))
+    flat = twin(plain)
+    register_flat_storage(flat)
+    x = torch.randn(5, 2, 6)
+    expected_module = GradSampleModule(plain)
+    expected_module(x).sum().backward()
+    expected = [p.grad_sample.clone() for p in plain.parameters()]
+    expected_module.remove_hooks()
+    with get_flat_storage(flat).unflattened():
+        sampler = GradSampleModule(flat)
+        sampler(x).sum().backward()
+        got = [p.grad_sample.clone() for p in flat.parameters()]
+        sampler.remove_hooks()
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)

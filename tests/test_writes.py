@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Callable
 
 import pytest
@@ -309,3 +310,29 @@ def test_vector_to_parameters_lands_in_both_modes(mode):
             vector_to_parameters(vector.clone(), flat.parameters())
     assert torch.equal(parameters_to_vector(flat.parameters()), vector)
     assert_agree(plain, flat)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+@pytest.mark.parametrize("safe_merge", [True, False])
+def test_peft_merge_and_unload_equals_the_plain_model(safe_merge):
+    """peft's LoRA merge (`.data` writes, adapters wrapped and unloaded) gives the plain model's result."""
+    import peft
+
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.q = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.relu(self.q(x)))
+
+    plain, flat, storage = _pair(Small)
+    merged = []
+    for model in (plain, flat):
+        torch.manual_seed(1)
+        config = peft.LoraConfig(target_modules=["q"], r=2, init_lora_weights=False)
+        merged.append(peft.get_peft_model(model, config).merge_and_unload(safe_merge=safe_merge))
+    assert get_flat_storage(merged[1]) is storage
+    assert_agree(merged[0], merged[1], torch.randn(3, 4))
