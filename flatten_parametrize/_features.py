@@ -12,8 +12,8 @@ through ``_records.Coordinator``. The coordinator calls each feature's
 * ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
   parameters in RAM by then);
 * ``copy_for(new, memo)``: ``copy.deepcopy`` of the module (``None``: the copy
-  goes without the feature); pickling of the whole model will build the
-  copy's features the same way (``memo`` empty).
+  goes without the feature). A pickled model is registered again on load
+  and starts with fresh features (no grad sync, buffers in RAM).
 
 The built-in features are created with the coordinator; a feature made later
 (a sharded optimizer, say) joins with ``storage.add_feature(feature)`` and

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ._flat_parameter import FlatParameter
-from ._names import MODULE_STATE_ATTR, dtype_name, flat_param_name, registered_storage
+from ._names import dtype_name, flat_param_name, library_state, registered_storage
 
 __all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "bucket_groups", "resolve_groups"]
 
@@ -62,7 +62,7 @@ def _check_not_flattened(module: nn.Module) -> None:
                 f"cannot register flat storage: {where} already has one; call "
                 "remove_flat_storage on it first, or use get_flat_storage to reuse it"
             )
-        state = sub.__dict__.get(MODULE_STATE_ATTR)
+        state = library_state(sub)
         if state is not None and state.slots:
             names = ", ".join(f"{path + '.' if path else ''}{n}" for n in state.slots)
             raise RuntimeError(

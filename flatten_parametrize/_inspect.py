@@ -26,10 +26,13 @@ def format_bytes(count: int) -> str:
 
 def _rows(storage: Coordinator) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
+    live = storage.live_names()
     for info in storage.param_infos:
+        names = [name for name in (info.name, *info.aliases) if name in live]
+        label = alias_label(names[0], tuple(names[1:])) if names else f"{info.name} (replaced: dead space)"
         rows.append(
             (
-                alias_label(info.name, info.aliases),
+                label,
                 info.group,
                 str(info.offset),
                 str(info.numel),

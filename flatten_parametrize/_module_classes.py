@@ -18,8 +18,9 @@ from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
 from ._names import MODULE_STATE_ATTR, registered_storage
+from ._pickling import copy_alone, reduce_flattened
 from ._records import ModuleState
-from ._state_dict import load_module, save_module
+from ._state_dict import alias_unflattened, load_module, save_module
 from ._view_cache import make_property
 
 __all__ = ["METHODS", "make_class", "base_of", "clone_class", "add_property"]
@@ -75,12 +76,42 @@ def _load_from_state_dict(
     )
 
 
+def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    result = _super(self).state_dict(*args, **kwargs)
+    storage = registered_storage(self)
+    keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+    if storage is not None and not storage.is_flattened and not keep_vars:
+        # In unflattened mode the other modules are plain: their values are the leaf
+        # parameters, which share the flat buffer's storage.
+        alias_unflattened(storage, result, kwargs.get("prefix", args[1] if len(args) > 1 else ""))
+    return result
+
+
 def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
     storage = registered_storage(self)
     base = _super(self).load_state_dict
     if storage is None:
         return base(state_dict, strict=strict, assign=assign)
     return storage.load_via(base, state_dict, strict=strict, assign=assign)
+
+
+def register_parameter(self: nn.Module, name: str, param: Any) -> None:
+    state = _state(self)
+    base = _super(self).register_parameter
+    if state is None:
+        return base(name, param)
+    state.storage.register_via(self, base, name, param)
+
+
+def _delattr(self: nn.Module, name: str) -> None:
+    storage = registered_storage(self)
+    if storage is not None and storage.is_flattened and any(g.flat_name == name for g in storage.groups()):
+        raise RuntimeError(
+            f"cannot delete {name} of {type(self).__name__}: it is a flat parameter that every "
+            "flattened attribute is a view of; call remove_flat_storage(module) to go back to "
+            "ordinary parameters"
+        )
+    _super(self).__delattr__(name)
 
 
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
@@ -95,6 +126,12 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
         return found
+    state = _state(self)
+    if state is not None:
+        state.storage.sync_writes()  # a `.data` write not landed yet lives in a cached view only
+        root = state.storage.module_unchecked
+        if root is not self and id(root) not in memo:
+            return copy_alone(self, memo)  # copied on its own: a standalone plain module
     base_copy = getattr(base_of(self), "__deepcopy__", None)
     if base_copy is not None:
         replica = base_copy(self, memo)
@@ -110,22 +147,35 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return replica
 
 
-def _getstate(self: nn.Module) -> Any:
+def _reduce_ex(self: nn.Module, proto: Any) -> Any:
+    return reduce_flattened(self, proto)
+
+
+def _prepare_scriptable(self: nn.Module) -> nn.Module:
+    state = _state(self)
+    if state is None or not state.storage.is_flattened:
+        return self  # unflattened mode: the attributes are the module's own parameters
     raise RuntimeError(
-        f"cannot pickle {type(self).__name__}: it is part of a flattened module, whose "
-        "classes are generated at registration. Save module.state_dict() (or "
-        "storage.flat_state_dict()) instead, or call remove_flat_storage first"
+        f"torch.jit.script cannot compile {type(self).__name__}: it is part of a flattened module, "
+        "whose attributes are served by the flat storage. Script it inside storage.unflattened(), "
+        "or a plain copy "
+        "(copy = copy.deepcopy(model); remove_flat_storage(copy); torch.jit.script(copy)), "
+        "or use torch.jit.trace on the registered module, which reads the flat parameters"
     )
 
 
 METHODS: dict[str, Any] = {
     _MARKER: True,
     "_save_to_state_dict": _save_to_state_dict,
+    "state_dict": state_dict,
     "_load_from_state_dict": _load_from_state_dict,
     "load_state_dict": load_state_dict,
+    "register_parameter": register_parameter,
+    "__delattr__": _delattr,
     "_apply": _apply,
     "__deepcopy__": _deepcopy,
-    "__getstate__": _getstate,
+    "__reduce_ex__": _reduce_ex,
+    "__prepare_scriptable__": _prepare_scriptable,
 }
 
 _SKIP = ("__dict__", "__weakref__")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,6 +26,16 @@ def flat_param_name(group: str) -> str:
 def flat_layout_name(group: str) -> str:
     """Return the state-dict key of ``group``'s layout record."""
     return FLAT_LAYOUT_PREFIX + group
+
+
+#: The library's state of modules that unflattened mode made plain (original class, no state in ``__dict__``).
+UNFLATTENED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def library_state(module: nn.Module) -> Any:
+    """Return the library's state of ``module`` (a ``ModuleState``) in either mode, or ``None``."""
+    state = module.__dict__.get(MODULE_STATE_ATTR)
+    return state if state is not None else UNFLATTENED.get(module)
 
 
 def registered_storage(module: nn.Module) -> Any:

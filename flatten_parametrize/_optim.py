@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import Tensor
 
-from ._names import MODULE_STATE_ATTR, flat_param_name
+from ._names import flat_param_name
 
 if TYPE_CHECKING:
     from ._records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
@@ -73,7 +73,7 @@ class _Model:
         out: list[tuple[str, _Target]] = []
         seen: set[int] = set()
         for prefix, module in root.named_modules():
-            state = module.__dict__.get(MODULE_STATE_ATTR)
+            state = storage.state_of(module)  # also in unflattened mode, where it is kept aside
             slots = state.slots if state is not None else {}
             names = list(state.order) if state is not None else []
             names += [

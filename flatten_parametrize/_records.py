@@ -147,6 +147,29 @@ class Coordinator(Protocol):
     def flat_buffers_replaced(self) -> None:
         """Tell the coordinator (and every feature) that flat buffers were swapped (``.data``)."""
 
+    def sync_writes(self) -> None:
+        """Land (or refuse) the writes made around the views since the last call."""
+
+    def members(self) -> list[tuple[nn.Module, ModuleState]]:
+        """Every module this storage changed (still alive), with its state."""
+
+    def state_of(self, module: nn.Module) -> ModuleState | None:
+        """The library's state of ``module`` if this storage changed it (also while unflattened)."""
+
+    def live_names(self) -> set[str]:
+        """Every flattened name whose module was not replaced or deleted since registration."""
+
+    def flat_state_dict(self) -> Any:
+        """The module's state dict in flat form."""
+
+    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
+        """What ``module.<attr>`` serves when its ``_parameters`` holds ``attr``."""
+
+    def register_via(
+        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
+    ) -> None:
+        """Run ``module.register_parameter`` (``base``) on a module the storage changed."""
+
     def stage_loaded(self, loaded: list[StagedValue]) -> None:
         """Take values that a module's ``_load_from_state_dict`` read, to commit them all at once."""
 
@@ -181,9 +204,15 @@ class ModuleState:
         order: names of the module's parameters before registration, in order.
         prev_class: the module's class before registration.
         slots: flattened attribute name -> (group views, index in group).
+        injected: the library's class of the module while unflattened mode
+            gives it back its ``prev_class`` (``None`` in flat mode).
+        hidden: its ``parametrizations`` container while unflattened mode
+            takes it out of the module.
     """
 
     storage: Coordinator
     order: list[str]
     prev_class: type
     slots: dict[str, tuple[GroupViews, int]] = field(default_factory=dict)
+    injected: type | None = None
+    hidden: Any = None

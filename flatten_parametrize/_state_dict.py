@@ -26,9 +26,11 @@ from torch import Tensor, nn
 from ._alias import own_storage_alias
 from ._names import flat_layout_name, registered_storage
 from ._records import Coordinator, Group, ModuleState, StagedValue
+from ._writes import land_direct_writes
 
 __all__ = [
     "Snapshot",
+    "alias_unflattened",
     "StagingSlot",
     "commit_staged",
     "layout_record",
@@ -79,18 +81,13 @@ def save_module(
     keep_vars: bool,
 ) -> None:
     """Save ``module``'s own entries in the plain module's keys and order."""
-    if state is None:
-        base_save(destination, prefix, keep_vars)
+    if state is None or not state.storage.is_flattened:
+        base_save(destination, prefix, keep_vars)  # unflattened: see alias_unflattened
         return
-    if not state.storage.is_flattened:
-        own_plain: OrderedDict[str, Any] = OrderedDict()
-        base_save(own_plain, prefix, keep_vars)
-        for key, value in own_plain.items():
-            slot = state.slots.get(key[len(prefix) :])
-            if slot is not None and not keep_vars and isinstance(value, Tensor):
-                value = _alias(destination, slot, value)
-            destination[key] = value
-        return
+    if registered_storage(module) is state.storage:
+        state.storage.sync_writes()  # the whole tree's pending writes, once per state_dict()
+    else:
+        land_direct_writes([(module, state)])
     own: OrderedDict[str, Any] = OrderedDict()
     base_save(own, prefix, keep_vars)
     root: Coordinator | None = registered_storage(module)
@@ -148,6 +145,23 @@ def _alias(destination: Any, slot: tuple[Any, int], value: Tensor) -> Tensor:
     if alias is None or alias.data_ptr() != value.data_ptr():
         alias = cache[key] = own_storage_alias(value)
     return alias
+
+
+def alias_unflattened(storage: Coordinator, destination: Any, prefix: str) -> None:
+    """Give each flattened entry of an unflattened-mode state dict a storage of its own.
+
+    In unflattened mode the modules hold leaf parameters that share the flat
+    buffer's storage; the registered module's ``state_dict()`` passes their
+    values through :func:`_alias` afterwards, as flat mode does while saving.
+    """
+    groups = storage.groups()
+    live = storage.live_names()
+    for slot in storage.slots():
+        key = (groups[slot.group_index].views, slot.index)
+        for name in slot.all_names:
+            value = destination.get(prefix + name)
+            if name in live and isinstance(value, Tensor):
+                destination[prefix + name] = _alias(destination, key, value)
 
 
 def load_module(
@@ -270,9 +284,8 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
     ours = [k for k in by_key if k in state_dict]
     if not ours:
         return
-    original = next(
-        (prefix + n for s in storage.slots() for n in s.all_names if prefix + n in state_dict), None
-    )
+    live = storage.live_names()
+    original = next((prefix + n for n in sorted(live) if prefix + n in state_dict), None)
     if original is not None:
         raise ValueError(
             f"state dict mixes the flat form ('{ours[0]}') and the unflattened form "
@@ -313,7 +326,8 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
         views = group.split(flat)
         for slot in group.members:
             for name in slot.all_names:
-                state_dict[prefix + name] = views[slot.index]
+                if name in live:  # a replaced submodule loads its own entries
+                    state_dict[prefix + name] = views[slot.index]
 
 
 class Snapshot:

@@ -31,14 +31,23 @@ from ._flat_parameter import FlatParameter
 from ._functional import Functional, StackedTensors
 from ._inspect import storage_html, storage_repr, summary_table
 from ._layout import GroupLayout
-from ._names import flat_layout_name, flat_param_name, registered_storage
+from ._module_classes import clone_class
+from ._names import (
+    MODULE_STATE_ATTR,
+    UNFLATTENED,
+    flat_layout_name,
+    flat_param_name,
+    library_state,
+    registered_storage,
+)
 from ._offload import DiskOffload
 from ._per_group import per_group
 from ._plot import plot_layout
-from ._records import Group, ParamInfo, Slot, StagedValue
+from ._records import Group, ModuleState, ParamInfo, Slot, StagedValue
 from ._state_dict import Snapshot, commit_staged, layout_record
 from ._transaction import Transaction, atomically
 from ._view_cache import GroupViews, same_memory
+from ._writes import check_flat_replacement, land_direct_writes, land_parameter, watch
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -83,7 +92,7 @@ class FlatStorage:
         for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
             flat_name = flat_param_name(name)
             members = tuple(slot for slot in self._slots if slot.group_index == index)
-            views = GroupViews(module._parameters, flat_name, layout)
+            views = GroupViews(module._parameters, flat_name, layout, tuple(slot.name for slot in members))
             groups.append(Group(index, name, flat_name, layout, views, flat, members))
         self._groups = tuple(groups)
         self._flattened = True
@@ -91,6 +100,8 @@ class FlatStorage:
         self._using_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self._pending: list[StagedValue] | None = None
+        #: The modules this storage changed, with their state (recorded at registration).
+        self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
         self._functional = Functional(self)
@@ -121,6 +132,7 @@ class FlatStorage:
     @property
     def flat_params(self) -> list[FlatParameter]:
         """Return the flat parameters, one per group, in group order."""
+        self.sync_writes()
         return [group.flat for group in self._groups]
 
     @property
@@ -163,7 +175,8 @@ class FlatStorage:
             )
         for record in self._groups:
             if record.name == group:
-                return record.flat
+                self.sync_writes()
+                return self._groups[record.index].flat
         raise KeyError(f"no group {group!r} in this flat storage; groups are {self.group_names}")
 
     def __len__(self) -> int:
@@ -192,8 +205,18 @@ class FlatStorage:
         return self._flattened
 
     # ------------------------------------------------------------------- views
-    def _names(self, slot: Slot, remove_duplicate: bool) -> tuple[str, ...]:
-        return (slot.name,) if remove_duplicate else slot.all_names
+    def _live(self, slot: Slot, modules: dict[str, nn.Module], remove_duplicate: bool) -> tuple[str, ...]:
+        names = surgery.live_names(self, slot, modules)
+        return names[:1] if remove_duplicate else names
+
+    def live_names(self) -> set[str]:
+        """Return every flattened name whose module is still where registration found it.
+
+        A submodule replaced or deleted after registration leaves its names dead
+        (internal read API: state dicts and inspection use it).
+        """
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return {name for slot in self._slots for name in surgery.live_names(self, slot, modules)}
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(name, tensor)`` for every flattened parameter, as the module serves it.
@@ -214,9 +237,10 @@ class FlatStorage:
             >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
             [('weight', (3, 2)), ('bias', (3,))]
         """
+        self.sync_writes()
         modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
-            for name in self._names(slot, remove_duplicate):
+            for name in self._live(slot, modules, remove_duplicate):
                 owner, attr = surgery.locate(modules, name)
                 yield name, getattr(owner, attr)
 
@@ -241,10 +265,12 @@ class FlatStorage:
             for name, param in self.named_views(remove_duplicate):
                 yield name, param.grad
             return
+        self.sync_writes()
         grads = [group.grad_views() for group in self._groups]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         for slot in self._slots:
             split = grads[slot.group_index]
-            for name in self._names(slot, remove_duplicate):
+            for name in self._live(slot, modules, remove_duplicate):
                 yield name, None if split is None else split[slot.index]
 
     def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
@@ -295,10 +321,11 @@ class FlatStorage:
         """
         items = self._per_group(tensors, "views_of()", exact=False)
         splits = [group.split(t) for group, t in zip(self._groups, items)]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
         return {
             name: splits[slot.group_index][slot.index]
             for slot in self._slots
-            for name in self._names(slot, remove_duplicate)
+            for name in self._live(slot, modules, remove_duplicate)
         }
 
     # ------------------------------------------------------------ mode toggles
@@ -361,6 +388,7 @@ class FlatStorage:
                 "cannot unflatten inside storage.using(...): the views are served from the "
                 "given tensors; leave the using() block first"
             )
+        self.sync_writes()
         atomically(self._unflatten)
         self._invalidate()
 
@@ -445,6 +473,137 @@ class FlatStorage:
     def _invalidate(self) -> None:
         surgery.invalidate(self._groups)
 
+    # ------------------------------------------------------------ write paths
+    def members(self) -> list[tuple[nn.Module, ModuleState]]:
+        """Return every module this storage changed (still alive), with its state (internal read API).
+
+        Recorded at registration; in unflattened mode the modules other than the
+        registered one are plain (original class, no library state in ``__dict__``).
+        """
+        if self._owners is None:
+            self._owners = [
+                (weakref.ref(module), state)
+                for module in {id(m): m for m in self.module_unchecked.modules()}.values()
+                if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
+                and state.storage is self
+            ]
+        return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
+
+    def state_of(self, module: nn.Module) -> ModuleState | None:
+        """Return the library's state of ``module`` if this storage changed it, in either mode."""
+        state = library_state(module)
+        return state if isinstance(state, ModuleState) and state.storage is self else None
+
+    def sync_writes(self) -> None:
+        """Land the writes made around the views since the last call, or refuse them.
+
+        A replaced flat parameter (``module.flat_param_0 = p``,
+        ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
+        into a flattened module's ``_parameters`` and tensors assigned to a
+        view's ``.data`` are copied into their slots (see ``_writes.py``).
+        Internal: the registered module's forward, state dicts, toggles,
+        loading and removal call it. Does nothing in unflattened mode.
+
+        Raises:
+            RuntimeError: for a write that cannot land (it is undone).
+        """
+        root = self._root_ref()
+        if root is None or registered_storage(root) is not self:
+            return  # detached
+        if not self._flattened or self._pending is not None:
+            return
+        if not self._using_depth:
+            params = root._parameters
+            replaced: list[tuple[Group, Any]] = []
+            for group in self._groups:
+                current = params.get(group.flat_name)
+                # A plain tensor there is functional_call's substitute; a tensor subclass is
+                # another engine's (FSDP2 registers DTensor parameters): both are left alone.
+                adoptable = (nn.Parameter, FlatParameter)
+                substitute = isinstance(current, Tensor) and type(current) not in adoptable
+                if current is group.flat or substitute:
+                    continue
+                try:
+                    check_flat_replacement(group, current)
+                except RuntimeError:
+                    params[group.flat_name] = group.flat  # refused: the flat parameter is back
+                    raise
+                replaced.append((group, current))
+            if replaced:
+                self._adopt_replacements(replaced)
+        land_direct_writes(self.members())
+        for group in self._groups:
+            group.views.sync()
+
+    def _adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
+        """Adopt parameters registered in flat parameters' places, all or nothing.
+
+        Each becomes its group's ``FlatParameter`` (re-classed in place, with the
+        layout); on failure the old flat parameters are back and the new ones
+        keep their class.
+        """
+        classes = [type(param) for _, param in replaced]
+        try:
+            self._adopt_flat_params()
+        except BaseException:
+            params = self.module._parameters
+            for (group, param), cls in zip(replaced, classes):
+                params[group.flat_name] = group.flat
+                self._set_group(group)
+                if type(param) is not cls:
+                    param.__class__ = cls
+            surgery.refresh_originals(self._groups, self._slots)
+            raise
+
+    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
+        """Return what ``module.<attr>`` serves when its ``_parameters`` holds ``attr``.
+
+        In unflattened mode (and while a load stages values) that parameter; in
+        flat mode it was put there around the view: it lands in the slot (or is
+        refused) and the view is served. Internal: the attribute's property calls it.
+        """
+        if not self._flattened or self._pending is not None:
+            return param
+        state: ModuleState = module.__dict__[MODULE_STATE_ATTR]
+        land_parameter(module, state, attr, param)
+        views, index = state.slots[attr]
+        return views.view(index)
+
+    def register_via(
+        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
+    ) -> None:
+        """Run ``module.register_parameter(name, param)`` (``base``) on a module this storage changed.
+
+        A flat parameter's name adopts ``param`` as the group's flat parameter;
+        a flattened attribute's name (flat mode) copies the values into its
+        slot; anything else is torch's. Internal: the injected class calls it.
+
+        Raises:
+            RuntimeError: if ``param`` cannot take that place (nothing changed).
+        """
+        group = next((g for g in self._groups if g.flat_name == name), None)
+        if group is not None and registered_storage(module) is self:
+            if not self._flattened or self._using_depth:
+                raise RuntimeError(
+                    f"cannot replace {name} in unflattened mode or inside using(): the flat "
+                    "parameter is not served there; call storage.flatten() (or leave using()) first"
+                )
+            check_flat_replacement(group, param)
+            base(name, param)
+            self._adopt_replacements([(group, param)])
+            return
+        state = module.__dict__.get(MODULE_STATE_ATTR)
+        if (
+            self._flattened
+            and self._pending is None
+            and isinstance(state, ModuleState)
+            and name in state.slots
+            and name not in module._parameters
+        ):
+            land_parameter(module, state, name, param)
+            return
+        base(name, param)
+
     def flat_buffers_replaced(self) -> None:
         """Re-point the originals and views after flat buffers were swapped; notify every feature.
 
@@ -487,6 +646,7 @@ class FlatStorage:
             out = fn(tensor)
             return out.detach() if type(out) is FlatParameter else out
 
+        self.sync_writes()
         with in_flat_mode(self):
             try:
                 return base(convert, recurse)
@@ -511,6 +671,7 @@ class FlatStorage:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
         flat_mode = self._flattened
+        self.sync_writes()
         snapshot = Snapshot(self.module, {id(group.flat) for group in self._groups} if flat_mode else set())
         self._pending = [] if flat_mode else None
         try:
@@ -547,7 +708,7 @@ class FlatStorage:
         for group in self._groups:
             out[group.flat_name] = self._current_flat(group, plain)
             out[flat_layout_name(group.name)] = layout_record(group)
-        flattened = {name for slot in self._slots for name in slot.all_names}
+        flattened = self.live_names()  # a replaced submodule's entries are its own, ordinary ones
         for key, value in plain.items():
             if key not in flattened:
                 out[key] = value
@@ -560,7 +721,10 @@ class FlatStorage:
         if self._flattened:
             return flat
         targets = group.split(flat)
-        stale = [s for s in group.members if not same_memory(plain[s.name], targets[s.index])]
+        live = self.live_names()
+        stale = [
+            s for s in group.members if s.name in live and not same_memory(plain[s.name], targets[s.index])
+        ]
         if not stale:
             return flat
         with torch.no_grad():
@@ -608,17 +772,49 @@ class FlatStorage:
         new._flattened = self._flattened
         new._using_depth = 0
         new._pending = None
+        new._owners = []
+        for module, state in self.members():
+            if id(module) in memo:
+                state_copy = copy.deepcopy(state, memo)
+                if state_copy.injected is not None and state_copy.injected is state.injected:
+                    state_copy.injected = clone_class(state.injected)  # never share a class with the original
+                if module in UNFLATTENED:
+                    UNFLATTENED[memo[id(module)]] = state_copy
+                new._owners.append((weakref.ref(memo[id(module)]), state_copy))
         new._grad_sync = self._grad_sync.copy_for(new, memo)
         new._disk = self._disk.copy_for(new, memo)
         new._functional = self._functional.copy_for(new, memo)
         new._added = [c for f in self._added if (c := f.copy_for(new, memo)) is not None]
         return new
 
+    @staticmethod
+    def restore_pickled(root: nn.Module, state: tuple[dict[str, Any], Any]) -> None:
+        """Give an unpickled registered module its state, then register its storage again.
+
+        ``state`` is the module's cleaned ``__dict__`` (its slots already
+        parameters viewing the loaded flat parameters) and the
+        ``_pickling.StorageRecord`` of its storage. Internal: the unpickler calls
+        it (see ``_pickling.py``).
+        """
+        own, record = state
+        root.__setstate__(own)
+        modules = dict(root.named_modules(remove_duplicate=False))
+        slots = []
+        for name, aliases, group_index, index in record.slots:
+            owner, attr = surgery.locate(modules, name)
+            param = owner._parameters[attr]
+            assert param is not None
+            slots.append(Slot(name, aliases, group_index, index, param))
+        storage = FlatStorage(root, record.group_names, record.flats, record.layouts, slots)
+        install_storage(storage)
+        if not record.flattened:
+            storage.unflatten()
+
     def __getstate__(self) -> None:
-        # Pickling the whole model would rebuild the coordinator here and give it its
-        # features' state as deepcopy does (``Feature.copy_for``).
+        # The registered module pickles itself with a record of its storage (``_pickling.py``).
         raise RuntimeError(
-            "a FlatStorage cannot be pickled; save module.state_dict() or storage.flat_state_dict() instead"
+            "a FlatStorage cannot be pickled on its own; pickle the registered module "
+            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
         )
 
     def __repr__(self) -> str:
@@ -1048,10 +1244,14 @@ def _placeholder(param: nn.Parameter) -> nn.Parameter:
 def install_storage(storage: FlatStorage) -> None:
     """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
     atomically(lambda tx: surgery.install(storage, tx))
+    storage.members()  # recorded now: unflattened mode takes the state out of the modules
+    watch(storage)
 
 
 def remove_storage(storage: FlatStorage) -> None:
     """Undo the registration of ``storage``: plain parameters with the current values (atomically)."""
+
+    storage.sync_writes()
 
     def change(tx: Transaction) -> None:
         storage._flatten(tx)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ._flat_parameter import FlatParameter, _as_flat_parameter
 from ._layout import GroupLayout
 from ._module_classes import METHODS, add_property, make_class
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR
+from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from ._parametrize_interop import HiddenParametrizations, register_view
 from ._records import Coordinator, Group, ModuleState, Slot
 from ._transaction import Transaction
@@ -31,6 +31,7 @@ __all__ = [
     "flatten_module",
     "install",
     "invalidate",
+    "live_names",
     "locate",
     "refresh_originals",
     "rewrap_flat_param",
@@ -44,6 +45,24 @@ def locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, st
     """Return the module that owns parameter ``qualified`` and the attribute name there."""
     path, _, attr = qualified.rpartition(".")
     return modules[path], attr
+
+
+def live_names(storage: Coordinator, slot: Slot, modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """Return the names of ``slot`` whose module is still in the tree (not replaced or deleted since).
+
+    A name is live while the module at its path is one that ``storage`` changed
+    and that serves the attribute from its slot. A submodule replaced after
+    registration (a new head) holds ordinary parameters; the slot it replaced is
+    dead space in the flat buffer.
+    """
+    names = []
+    for name in slot.all_names:
+        path, _, attr = name.rpartition(".")
+        owner = modules.get(path)
+        state = None if owner is None else storage.state_of(owner)
+        if state is not None and attr in state.slots:
+            names.append(name)
+    return tuple(names)
 
 
 def _reorder(params: dict[str, Any], order: Sequence[str]) -> None:
@@ -146,10 +165,7 @@ def install(storage: Coordinator, tx: Transaction) -> None:
         group.flat.grad = grad
     for slot in slots:
         tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
-    tx.keep_dict(root._forward_pre_hooks)
-    tx.keep_dict(root._forward_hooks)
-    root.register_forward_pre_hook(trace_split)
-    root.register_forward_hook(end_trace_split)
+    _add_trace_hooks(root, tx)
     root.__dict__[STORAGE_ATTR] = storage
     refresh_originals(groups, slots, tx)
 
@@ -190,13 +206,25 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
         root._parameters.pop(group.flat_name, None)
     for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
         _restore_module(owner, slots, modules, tx)
+    _remove_trace_hooks(root, tx)
+    tx.keep_dict(root.__dict__)
+    root.__dict__.pop(STORAGE_ATTR, None)
+
+
+def _add_trace_hooks(root: nn.Module, tx: Transaction) -> None:
+    """Have the registered module's forward split each group once when compiled or traced."""
+    tx.keep_dict(root._forward_pre_hooks)
+    tx.keep_dict(root._forward_hooks)
+    root.register_forward_pre_hook(trace_split)
+    root.register_forward_hook(end_trace_split)
+
+
+def _remove_trace_hooks(root: nn.Module, tx: Transaction) -> None:
     for hooks in (root._forward_pre_hooks, root._forward_hooks):
         tx.keep_dict(hooks)
         for hook_id, hook in list(hooks.items()):
             if hook is trace_split or hook is end_trace_split:
                 del hooks[hook_id]
-    tx.keep_dict(root.__dict__)
-    root.__dict__.pop(STORAGE_ATTR, None)
 
 
 def _restore_module(
@@ -214,8 +242,8 @@ def _restore_module(
             container._modules.pop(attr, None)
     for slot in slots:
         for name in slot.all_names:
-            found, attr = locate(modules, name)
-            if found is owner:
+            path, _, attr = name.rpartition(".")
+            if modules.get(path) is owner:
                 owner._parameters[attr] = slot.param
     _reorder(owner._parameters, state.order)
     if isinstance(container, HiddenParametrizations):
@@ -234,16 +262,15 @@ def _restore_module(
 
 
 # ------------------------------------------------------------------ mode switches
-def _current_params(
-    groups: Sequence[Group], slots: Sequence[Slot], modules: dict[str, nn.Module]
-) -> list[nn.Parameter]:
-    """Return the parameter each slot holds in unflattened mode, after checking it."""
-    current = []
-    for slot in slots:
+def _current_params(storage: Coordinator, modules: dict[str, nn.Module]) -> list[nn.Parameter | None]:
+    """Return the parameter each slot holds in unflattened mode (``None``: a dead slot), after checking it."""
+    groups = storage.groups()
+    current: list[nn.Parameter | None] = []
+    for slot in storage.slots():
         found: list[Any] = []
         group = groups[slot.group_index]
         shape = group.layout.shapes[slot.index]
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             param = owner._parameters.get(attr)
             if not isinstance(param, Tensor):
@@ -271,19 +298,21 @@ def _current_params(
                     "same nn.Parameter to every name of a tied parameter"
                 )
             found.append(param)
-        current.append(found[0])
+        current.append(found[0] if found else None)
     return current
 
 
 def flatten_module(storage: Coordinator, tx: Transaction) -> None:
     """Write unflattened-mode values and gradients into the flat buffers; views serve the attributes again."""
     root = storage.module
+    for owner, state in storage.members():
+        _take_back_class(owner, state, tx)
+    _add_trace_hooks(root, tx)
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
-    current = _current_params(groups, slots, modules)
-    by_group = [
-        [(slot, current[i]) for i, slot in enumerate(slots) if slot.group_index == g.index] for g in groups
-    ]
+    current = _current_params(storage, modules)
+    live = [(slot, param) for slot, param in zip(slots, current) if param is not None]
+    by_group = [[(slot, param) for slot, param in live if slot.group_index == g.index] for g in groups]
     new_grads: list[Tensor | None] = []
     for group, members in zip(groups, by_group):
         flat = group.flat
@@ -310,10 +339,10 @@ def flatten_module(storage: Coordinator, tx: Transaction) -> None:
                 tx.write(targets[slot.index], param.detach())
     for group, grad in zip(groups, new_grads):
         tx.set_attr(group.flat, "grad", grad)
-    for slot, param in zip(slots, current):
+    for slot, param in live:  # not the dead slots: their modules were replaced or deleted
         tx.set_attr(param, "grad", None)
         tx.set_attr(slot, "param", param)
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             tx.keep_dict(owner._parameters)
             owner._parameters.pop(attr, None)
@@ -338,10 +367,44 @@ def unflatten_module(storage: Coordinator, tx: Transaction) -> None:
         root._parameters.pop(group.flat_name, None)
     touched = {}
     for slot in slots:
-        for name in slot.all_names:
+        for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
             tx.keep_dict(owner._parameters)
             owner._parameters[attr] = slot.param
             touched[id(owner)] = owner
     for owner in touched.values():
         _reorder(owner._parameters, owner.__dict__[MODULE_STATE_ATTR].order)
+    for owner, state in storage.members():
+        if owner is not root:
+            _give_back_class(owner, state, tx)
+    _remove_trace_hooks(root, tx)  # plain forward (torch.jit.script compiles hooks)
+
+
+def _give_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
+    """Unflattened mode: ``owner`` becomes its original class with a plain ``__dict__`` (state kept aside)."""
+    if MODULE_STATE_ATTR not in owner.__dict__:
+        return
+    tx.keep_dict(owner.__dict__)
+    tx.set_attr(state, "injected", type(owner))
+    container = owner.__dict__.get("parametrizations")
+    if isinstance(container, HiddenParametrizations):
+        tx.set_attr(state, "hidden", owner.__dict__.pop("parametrizations"))
+    del owner.__dict__[MODULE_STATE_ATTR]
+    UNFLATTENED[owner] = state
+    tx.on_undo(lambda: UNFLATTENED.pop(owner, None))
+    tx.set_attr(owner, "__class__", state.prev_class)
+
+
+def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
+    """Flat mode again: ``owner`` gets the library's class, state and container back."""
+    if state.injected is None:
+        return
+    tx.keep_dict(owner.__dict__)
+    owner.__dict__[MODULE_STATE_ATTR] = state
+    UNFLATTENED.pop(owner, None)
+    tx.on_undo(lambda: UNFLATTENED.__setitem__(owner, state))
+    if state.hidden is not None:
+        owner.__dict__["parametrizations"] = state.hidden
+        tx.set_attr(state, "hidden", None)
+    tx.set_attr(owner, "__class__", state.injected)
+    tx.set_attr(state, "injected", None)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from enum import IntEnum
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.jit import _trace as _jit_trace
 
 from ._grad import GradBuffer, _GroupSplit
 from ._layout import GroupLayout
@@ -48,6 +50,8 @@ _is_compiling = torch.compiler.is_compiling
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
+_is_tracing = torch._C._is_tracing
+_data_ptr = Tensor.data_ptr
 _MISSING = object()
 
 
@@ -85,21 +89,27 @@ class CacheEntry:
     view served still has the node's history (an in-place change of a view
     under grad mode adds to it). In-place updates of the buffer do not
     invalidate it: every view aliases the buffer and shares its version
-    counter (see ``_GroupSplit``).
+    counter (see ``_GroupSplit``). Each view's ``data_ptr()`` is kept too: a
+    view whose ``.data`` was assigned points elsewhere, and the group lands the
+    assigned values in the flat tensor (:meth:`GroupViews.sync`, run by the
+    registered module's forward, state dicts, optimizer steps, toggles, and
+    before the entry is rebuilt), which retires the entry. The hot path does not
+    check it: until then, that view itself serves the assigned tensor.
 
     Attributes:
-        flat: the flat tensor the views were made of.
+        flat: the flat tensor the views were made of (``None`` once retired).
         ptr: its ``data_ptr()`` then.
         chunks: the segments of one ``split`` (``None`` in grad mode: the views
             are the outputs of one autograd node).
         views: one view per slot; without grad made on first use (``None``
             until then).
+        ptrs: the ``data_ptr()`` of each view when it was made.
         requires_grad: its ``requires_grad`` then.
         node: the ``grad_fn`` of the views (``None`` without grad or for a
             frozen buffer).
     """
 
-    __slots__ = ("chunks", "flat", "node", "ptr", "requires_grad", "views")
+    __slots__ = ("__weakref__", "chunks", "flat", "node", "ptr", "ptrs", "requires_grad", "views")
 
     def __init__(
         self,
@@ -107,11 +117,13 @@ class CacheEntry:
         ptr: int,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
+        ptrs: list[int],
     ) -> None:
-        self.flat = flat
+        self.flat: Tensor | None = flat
         self.ptr = ptr
         self.chunks = chunks
         self.views = views
+        self.ptrs = ptrs
         self.requires_grad = flat.requires_grad
         first = views[0] if views else None
         self.node = None if first is None else first.grad_fn
@@ -125,9 +137,11 @@ class GroupViews:
             ``functional_call`` and ``using()`` substitutions are seen).
         flat_name: the key of the group's flat parameter in ``params``.
         layout: the group's layout.
+        names: the qualified name of each slot, for error messages.
     """
 
     __slots__ = (
+        "_entries",
         "_grad_buffer",
         "_segments",
         "_shapes",
@@ -136,17 +150,23 @@ class GroupViews:
         "_traced",
         "flat_name",
         "layout",
+        "names",
         "params",
     )
 
-    def __init__(self, params: dict[str, Any], flat_name: str, layout: GroupLayout) -> None:
+    def __init__(
+        self, params: dict[str, Any], flat_name: str, layout: GroupLayout, names: tuple[str, ...] = ()
+    ) -> None:
         self.params = params
         self.flat_name = flat_name
         self.layout = layout
+        self.names = names
         self._split = list(layout.split_sizes)
         self._segments = layout.segments
         self._shapes = layout.shapes
         self._tls = threading.local()
+        #: Every thread's live cache entries, for :meth:`sync`.
+        self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
 
@@ -156,8 +176,16 @@ class GroupViews:
         return self._grad_buffer
 
     def invalidate(self) -> None:
-        """Drop every thread's cached views (they hold the old flat tensor alive)."""
-        self._tls = threading.local()
+        """Drop every thread's cached views (they hold the old flat tensor), landing `.data` writes first.
+
+        Raises:
+            RuntimeError: as :meth:`sync` (the views are dropped all the same).
+        """
+        try:
+            self.sync()
+        finally:
+            self._tls = threading.local()
+            self._entries = weakref.WeakSet()
 
     def current(self) -> Tensor:
         """Return the tensor currently registered as the flat parameter."""
@@ -165,9 +193,16 @@ class GroupViews:
 
     def view(self, index: int) -> Tensor:
         """Return slot ``index`` as a view of the current flat tensor."""
-        flat = self.params[self.flat_name]
+        flat: Tensor = self.params[self.flat_name]
         if _is_dynamo_compiling():
             return self._uncached(flat, index)
+        if _jit_trace._trace_module_map is not None and _tracing_a_module():
+            # torch.jit.trace: the graph reads the flat parameter, split once by the
+            # registered module's forward; a traced submodule does not own it.
+            traced = self._traced
+            if traced is None or traced[0] is not flat:
+                raise _submodule_trace_error(self, index)
+            return traced[1][self._segments[index]].view(self._shapes[index])
         cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
         if _is_grad_enabled():
             mode = _GRAD
@@ -187,13 +222,16 @@ class GroupViews:
             if entry is None or entry.flat is not flat:
                 return self._rebuild(flat, mode, cache, index)
         try:
-            if entry.ptr != flat.data_ptr():
-                return self._rebuild(flat, mode, cache, index)
-        except RuntimeError:
+            moved = entry.ptr != flat.data_ptr()
+        except RuntimeError:  # no storage (vmap): never cached
+            moved = True
+        if moved:
             return self._rebuild(flat, mode, cache, index)
-        view = entry.views[index]
+        views = entry.views
+        view = views[index]
         if view is None:
-            view = entry.views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            entry.ptrs[index] = view.data_ptr()
         return view
 
     def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
@@ -201,25 +239,40 @@ class GroupViews:
             ptr = flat.data_ptr()
         except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
             return self._uncached(flat, index)
+        old = cache.get(mode)
+        if old is not None and old.flat is not None:
+            cache.pop(mode)
+            self._entries.discard(old)
+            if any(v is not None and v.data_ptr() != p for v, p in zip(old.views, old.ptrs)):
+                self._land(old)  # `.data` written before the flat tensor changed: it still lands
+        if flat.dim() != 1 or flat.shape[0] != self.layout.numel:
+            raise RuntimeError(
+                f"{self.flat_name} has shape {tuple(flat.shape)} but its layout needs a "
+                f"one-dimensional tensor of {self.layout.numel} elements (was its .data "
+                "replaced?); assign a tensor of that size, or load a state dict"
+            )
         views: list[Tensor | None]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
             views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
-        elif mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
-            chunks = flat.detach().split(self._split)
-            views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
         else:
             # Views of a detached alias record no autograd history, so they stay
             # usable after in-place updates of the buffer (a view of the parameter
             # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
             chunks = flat.detach().split(self._split)
-            views = [None] * len(self._shapes)
-        entry = cache[mode] = CacheEntry(flat, ptr, chunks, views)
+            if mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
+                views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
+            else:
+                views = [None] * len(self._shapes)
+        ptrs = [0 if v is None else v.data_ptr() for v in views]
+        entry = cache[mode] = CacheEntry(flat, ptr, chunks, views, ptrs)
+        self._entries.add(entry)
         view = views[index]
         if view is None:
-            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            view = views[index] = chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
+            ptrs[index] = view.data_ptr()
         return view
 
     def _uncached(self, flat: Tensor, index: int) -> Tensor:
@@ -231,6 +284,55 @@ class GroupViews:
         traced = self._traced
         chunks = traced[1] if traced is not None and traced[0] is flat else flat.split(self._split)
         return chunks[self._segments[index]].view(self._shapes[index])
+
+    def sync(self) -> None:
+        """Land the values of every cached view (any thread, any mode) whose ``.data`` was assigned.
+
+        Raises:
+            RuntimeError: if an assigned tensor has another shape, dtype
+                or device than its slot (the flat tensor is then unchanged).
+        """
+        for entry in list(self._entries):
+            try:
+                moved = list(map(_data_ptr, entry.views)) != entry.ptrs  # type: ignore[arg-type]
+            except TypeError:  # views not made yet (None): check the made ones
+                moved = any(v is not None and v.data_ptr() != p for v, p in zip(entry.views, entry.ptrs))
+            if moved:
+                self._land(entry)
+
+    def _land(self, entry: CacheEntry) -> None:
+        """Copy the values assigned through ``.data`` to views of ``entry`` into its flat tensor.
+
+        The entry is retired either way (its views no longer alias the flat tensor).
+        """
+        flat = entry.flat.detach()  # type: ignore[union-attr]
+        entry.flat = None  # retired: the hot path's identity check rebuilds the views
+        self._entries.discard(entry)
+        storage = flat.untyped_storage()._cdata
+        writes = []
+        for index, (view, ptr) in enumerate(zip(entry.views, entry.ptrs)):
+            if view is None or view.data_ptr() == ptr:
+                continue
+            if view.untyped_storage()._cdata == storage:
+                continue  # the buffer itself moved or was freed (FSDP2 frees unsharded ones)
+            value = view.data
+            shape = torch.Size(self._shapes[index])
+            if value.shape != shape or value.dtype != flat.dtype or value.device != flat.device:
+                name = self.names[index] if index < len(self.names) else f"slot {index} of {self.flat_name}"
+                raise RuntimeError(
+                    f"cannot take `{name}.data = tensor`: the flat storage keeps its values in "
+                    f"{self.flat_name} as shape {tuple(shape)}, {flat.dtype} on {flat.device}; "
+                    f"got shape {tuple(value.shape)}, {value.dtype} on {value.device}; the value "
+                    "was not written. Assign a tensor of the slot's shape, dtype and device (its "
+                    "values are copied into the flat buffer), or change shapes inside "
+                    "storage.unflattened() or after remove_flat_storage"
+                )
+            writes.append((index, value))
+        if writes:
+            targets = self.split(flat)
+            with torch.no_grad():
+                for index, value in writes:
+                    targets[index].copy_(value)
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
@@ -254,34 +356,64 @@ class GroupViews:
         new._split = self._split
         new._segments = self._segments
         new._shapes = self._shapes
+        new.names = self.names
         new._tls = threading.local()
+        new._entries = weakref.WeakSet()
         new._traced = None
         new._grad_buffer = GradBuffer()
         return new
 
     def __getstate__(self) -> None:
         raise RuntimeError(
-            "a flattened module cannot be pickled (its classes are generated at "
-            "registration); save module.state_dict() or storage.flat_state_dict() "
-            "instead, or call remove_flat_storage first"
+            "the view cache of a flat storage cannot be pickled on its own; pickle the "
+            "registered module (torch.save(model)), or save module.state_dict() or "
+            "storage.flat_state_dict()"
         )
 
 
-def trace_split(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook of the registered module: under torch.compile, split each group once.
+def _tracing_a_module(module: nn.Module | None = None) -> bool:
+    """Return whether ``torch.jit.trace`` is tracing a module's forward (``module``, if given).
 
-    Every view that the traced forward reads then comes from that one split, so
-    the compiled backward builds each flat gradient with one ``cat``. In eager
-    mode it does nothing (the per-thread cache plays that role).
+    ``trace_module`` records the traced module under ``"__module"``; the legacy
+    ONNX exporter traces a function whose inputs are the state dict's tensors
+    (the cached views themselves), so it is served from the cache.
     """
-    if _is_compiling():
-        for group in registered_storage(module).groups():
+    traced = _jit_trace._trace_module_map
+    if traced is None or "__module" not in traced or not _is_tracing():
+        return False
+    return module is None or traced["__module"] is module
+
+
+def _submodule_trace_error(group: GroupViews, index: int) -> RuntimeError:
+    name = group.names[index] if index < len(group.names) else group.flat_name
+    return RuntimeError(
+        f"torch.jit.trace reached {name} outside the forward of the registered module: the traced "
+        f"module does not own {group.flat_name}, so its weights would be baked in as constants. "
+        "Trace the module given to register_flat_storage, or trace a copy after "
+        "remove_flat_storage(copy)"
+    )
+
+
+def trace_split(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the registered module: under torch.compile or jit tracing, split each group once.
+
+    Every view that the traced forward reads then comes from that one split of
+    the flat parameter (read from the module, so the graph reads it rather than
+    baking constants), and the compiled backward builds each flat gradient with
+    one ``cat``. In eager mode it lands pending writes (``weight.data = t``,
+    a replaced flat parameter) instead; the per-thread cache serves the views.
+    """
+    storage = registered_storage(module)
+    if _is_compiling() or _tracing_a_module(module):
+        for group in storage.groups():
             group.views.trace(True)
+    else:
+        storage.sync_writes()
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
-    if _is_compiling():
+    if _is_compiling() or _tracing_a_module(module):
         for group in registered_storage(module).groups():
             group.views.trace(False)
 
@@ -305,9 +437,10 @@ def make_property(name: str) -> property:
 
     def fget(module: nn.Module) -> Tensor:
         param = module._parameters.get(name, _MISSING)
-        if param is not _MISSING:
-            return param  # type: ignore[return-value]
-        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
+        state = module.__dict__[MODULE_STATE_ATTR]
+        if param is not _MISSING:  # unflattened mode, or a parameter put there around the view
+            return state.storage.parameter_found(module, name, param)
+        group, index = state.slots[name]
         return group.view(index)
 
     def fset(module: nn.Module, value: Any) -> None:
@@ -316,4 +449,11 @@ def make_property(name: str) -> property:
             return
         raise _assignment_error(module, name)
 
-    return property(fget, fset, doc=f"View of '{name}' in the flat storage.")
+    def fdel(module: nn.Module) -> None:
+        raise RuntimeError(
+            f"cannot delete {type(module).__name__}.{name}: it is a view of a flat storage, whose "
+            "layout keeps a slot for it. Delete it inside storage.unflattened() (flattening again "
+            "then asks for a parameter of its shape), or call remove_flat_storage first"
+        )
+
+    return property(fget, fset, fdel, doc=f"View of '{name}' in the flat storage.")

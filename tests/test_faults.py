@@ -31,6 +31,7 @@ import functools
 import inspect
 import linecache
 import os
+import pickle
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -187,6 +188,42 @@ def _setup_remove_unflattened() -> tuple[nn.Module, Callable[[], Any]]:
     return model, lambda: remove_flat_storage(model)
 
 
+def _setup_replace_flat_param() -> tuple[nn.Module, Callable[[], Any]]:
+    model, storage = _registered()
+    new = nn.Parameter(storage["main"].detach() * 2)
+    return model, lambda: setattr(model, "flat_param_main", new)
+
+
+def _setup_land_parameter() -> tuple[nn.Module, Callable[[], Any]]:
+    model, _ = _registered()
+    new = nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4))
+    return model, lambda: setattr(model.body[0], "weight", new)
+
+
+def _setup_pickle() -> tuple[nn.Module, Callable[[], Any]]:
+    model, _ = _registered()
+    return model, lambda: pickle.loads(pickle.dumps(model))
+
+
+def _replace_body_layer(model: Net) -> None:
+    torch.manual_seed(5)
+    model.body[0] = nn.Linear(4, 4)
+
+
+def _setup_flatten_after_replacement() -> tuple[nn.Module, Callable[[], Any]]:
+    model, storage = _registered()
+    storage.unflatten()
+    _edit_unflattened(model)
+    _replace_body_layer(model)
+    return model, storage.flatten
+
+
+def _setup_remove_after_replacement() -> tuple[nn.Module, Callable[[], Any]]:
+    model, _ = _registered()
+    _replace_body_layer(model)
+    return model, lambda: remove_flat_storage(model)
+
+
 SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "register": _setup_register,
     "flatten_after_edits": _setup_flatten_edited,
@@ -198,6 +235,11 @@ SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "load_flat_form_unflattened": _setup_load("flat", flat_mode=False),
     "remove_flat_mode": _setup_remove_flat,
     "remove_unflattened_edits": _setup_remove_unflattened,
+    "replace_flat_param": _setup_replace_flat_param,
+    "land_parameter": _setup_land_parameter,
+    "pickle_round_trip": _setup_pickle,
+    "flatten_after_replacement": _setup_flatten_after_replacement,
+    "remove_after_replacement": _setup_remove_after_replacement,
 }
 
 #: Line faults run on these scenarios: together they execute every library line that the
@@ -210,6 +252,11 @@ LINE_SCENARIOS = [
     "load_flat_form_unflattened",
     "remove_flat_mode",
     "remove_unflattened_edits",
+    "replace_flat_param",
+    "land_parameter",
+    "pickle_round_trip",
+    "flatten_after_replacement",
+    "remove_after_replacement",
 ]
 
 #: Library modules that only plan (read the module, change nothing): no line faults there.

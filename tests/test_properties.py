@@ -17,6 +17,7 @@ dict keys and values, gradients, outputs and ties agree.
 from __future__ import annotations
 
 import copy
+import pickle
 from collections import OrderedDict
 from typing import Any
 
@@ -317,6 +318,60 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, param)
         self._new_optimizers()
+
+    @precondition(_flat)
+    @rule(index=st.integers(0, 99))
+    def write_through_data(self, index: int) -> None:
+        """`weight.data = t` on a view (peft's safe merge) lands in the flat buffer like on a parameter."""
+        names = self._pick(index)
+        new = _get(self.plain, names[0]).detach() * -0.5 + 0.25
+        for model in (self.model, self.plain):
+            _get(model, names[-1]).data = new.clone()
+
+    def _replaceable(self) -> list[str]:
+        """Submodules of the registered module that hold parameters of their own (never the root)."""
+        return [
+            name
+            for name, module in self.plain_target.named_modules()
+            if name and any(True for _ in module.parameters(recurse=False))
+        ]
+
+    @rule(index=st.integers(0, 99))
+    def replace_submodule(self, index: int) -> None:
+        """A submodule replaced by a new one (a new head): ordinary parameters, the old slots dead."""
+        names = self._replaceable()
+        if not names:
+            return
+        name = names[index % len(names)]
+        parent, _, attr = (self.prefix + name).rpartition(".")
+        new = copy.deepcopy(self.plain.get_submodule(self.prefix + name))
+        with torch.no_grad():
+            for param in new.parameters():
+                param.mul_(0.5)
+        for model in (self.model, self.plain):
+            setattr(model.get_submodule(parent), attr, copy.deepcopy(new))
+        self._new_optimizers()
+
+    def _picklable(self) -> bool:
+        if self.storage is None:
+            return True
+        live = self.storage.live_names()
+        return all(name in live for info in self.storage.param_infos for name in (info.name, *info.aliases))
+
+    @precondition(_picklable)
+    @rule(seed=SEEDS)
+    def pickle_round_trip(self, seed: int) -> None:
+        """pickle.loads(pickle.dumps(model)) gives the same flattened model (mode, layout, ties)."""
+        infos = None if self.storage is None else (self.storage.param_infos, self.storage.is_flattened)
+        self.model, self.plain = (
+            pickle.loads(pickle.dumps(self.model)),
+            pickle.loads(pickle.dumps(self.plain)),
+        )
+        if infos is not None:
+            self.storage = get_flat_storage(self.target)
+            assert (self.storage.param_infos, self.storage.is_flattened) == infos
+        self._new_optimizers()
+        self.train_step(seed)
 
     @precondition(_flat)
     @rule(seed=SEEDS)

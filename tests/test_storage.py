@@ -217,13 +217,16 @@ def test_named_views_and_grads_follow_the_mode():
 
 
 def test_toggling_keeps_the_same_classes():
-    """flatten/unflatten never mint new classes: each module keeps one class object."""
+    """flatten/unflatten never mint new classes; unflattened mode gives back the original classes."""
     model = mlp(2)
+    plain_classes = [type(m) for m in model.modules()]
     storage = register_flat_storage(model)
     classes = [type(m) for m in model.modules()]
     for _ in range(3):
         storage.unflatten()
-        assert [type(m) for m in model.modules()] == classes
+        assert [type(m) for m in model.modules()][1:] == plain_classes[1:]  # the root keeps its class
+        assert type(model[0]) is nn.Linear and "_flat_parametrize" not in model[0].__dict__
         storage.flatten()
+        assert [type(m) for m in model.modules()] == classes
     assert [type(m) for m in model.modules()] == classes
     assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "Linear"

@@ -1,0 +1,130 @@
+"""Write paths around the views: a value written to a flattened model lands in the flat buffer, or is refused.
+
+Outside code writes to a model in ways that bypass the library's property:
+``layer.weight.data = t`` (re-points the served view), ``layer._parameters["weight"] = p``
+and ``register_parameter`` / ``setattr`` with an ``nn.Parameter`` (put a tensor next
+to the view), ``model.flat_param_0 = p`` or ``model._parameters["flat_param_0"] = p``
+(replace a flat parameter). In flat mode each of them either lands (the values
+are copied into the slot, or the new flat parameter is adopted by the
+coordinator) or raises a ``RuntimeError`` that leaves the model as it was. Writes
+that torch makes directly in a dict are found at the next access of the
+attribute, forward of the registered module, state dict, toggle or removal
+(``FlatStorage.sync_writes``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._records import Coordinator, Group, ModuleState
+
+__all__ = ["check_flat_replacement", "land_parameter", "land_direct_writes", "watch"]
+
+#: Every registered storage, so that an optimizer step lands pending writes first.
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_hook: Any = None
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for storage in list(_LIVE):
+        storage.sync_writes()
+
+
+def watch(storage: Coordinator) -> None:
+    """Have every optimizer step land ``storage``'s pending writes first (a global step pre-hook)."""
+    global _hook
+    _LIVE.add(storage)
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_before_step)
+
+
+def _qualified(state: ModuleState, attr: str) -> str:
+    views, index = state.slots[attr]
+    return views.names[index] if index < len(views.names) else attr
+
+
+def land_parameter(module: nn.Module, state: ModuleState, attr: str, value: Any) -> None:
+    """Copy ``value``, set as parameter ``attr`` of ``module`` in flat mode, into its slot.
+
+    The entry is removed from ``module._parameters`` in every case, so that the
+    slot's view serves the attribute again.
+
+    Raises:
+        RuntimeError: if ``value`` is ``None``, not a tensor, or differs from the
+            slot in shape, dtype, device or ``requires_grad`` (nothing written).
+    """
+    module._parameters.pop(attr, None)
+    views, index = state.slots[attr]
+    name = _qualified(state, attr)
+    flat = views.current()
+    shape = torch.Size(views.layout.shapes[index])
+    how = (
+        f"; write values with `with torch.no_grad(): module.{attr}.copy_(value)`, or change "
+        "parameters inside storage.unflattened() or after remove_flat_storage"
+    )
+    if not isinstance(value, Tensor):
+        raise RuntimeError(
+            f"cannot set {name} to {type(value).__name__}: it is a slot of the flat storage "
+            f"({views.flat_name}) and needs a tensor of shape {tuple(shape)}{how}"
+        )
+    found = (tuple(value.shape), value.dtype, value.device)
+    if found != (tuple(shape), flat.dtype, flat.device):
+        raise RuntimeError(
+            f"cannot set {name} to a tensor of shape {found[0]}, {found[1]} on {found[2]}: its "
+            f"slot in {views.flat_name} holds shape {tuple(shape)}, {flat.dtype} on {flat.device}"
+            f"{how}"
+        )
+    if isinstance(value, nn.Parameter) and value.requires_grad != flat.requires_grad:
+        raise RuntimeError(
+            f"cannot set {name} to a parameter with requires_grad={value.requires_grad}: it is a "
+            f"slot of {views.flat_name}, which has requires_grad={flat.requires_grad} for all its "
+            f"slots{how}"
+        )
+    with torch.no_grad():
+        views.split(flat.detach())[index].copy_(value)
+
+
+def land_direct_writes(owners: Iterable[tuple[nn.Module, ModuleState]]) -> None:
+    """Land every parameter put into a flattened module's ``_parameters`` under a flattened name.
+
+    Raises:
+        RuntimeError: as :func:`land_parameter`; the refused entry is removed.
+    """
+    for module, state in owners:
+        params = module._parameters
+        if params.keys().isdisjoint(state.slots):
+            continue
+        for attr in [a for a in state.slots if a in params]:
+            land_parameter(module, state, attr, params[attr])
+
+
+def check_flat_replacement(group: Group, value: Any) -> None:
+    """Check that ``value`` can take the place of ``group``'s flat parameter.
+
+    Raises:
+        RuntimeError: if ``value`` is not an ``nn.Parameter`` of the flat
+            parameter's size, dtype and device.
+    """
+    flat = group.flat
+    fix = (
+        f"; assign an nn.Parameter of {flat.numel()} elements, {flat.dtype} on {flat.device}, "
+        f"or write values with `with torch.no_grad(): module.{group.flat_name}.copy_(t)`"
+    )
+    if not isinstance(value, nn.Parameter):
+        raise RuntimeError(
+            f"cannot replace {group.flat_name} with {type(value).__name__}: the flat storage "
+            f"needs an nn.Parameter in its place{fix}"
+        )
+    found = (tuple(value.shape), value.dtype, value.device)
+    if found != ((flat.numel(),), flat.dtype, flat.device):
+        raise RuntimeError(
+            f"cannot replace {group.flat_name} with a parameter of shape {found[0]}, {found[1]} "
+            f"on {found[2]}: group '{group.name}' is laid out in a one-dimensional buffer of "
+            f"{flat.numel()} elements, {flat.dtype} on {flat.device}{fix}"
+        )
