@@ -58,7 +58,7 @@ class GradBuffer:
     or the module (it is reachable from autograd nodes).
     """
 
-    __slots__ = ("_kept", "_lock", "hooks", "keep")
+    __slots__ = ("_kept", "_lock", "_targets", "hooks", "keep")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -67,6 +67,10 @@ class GradBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: list[torch.UntypedStorage] = []
+        #: Per kept storage: its dtype, a tensor per layout segment (slots in their shapes) and
+        #: the padding segments. Made once, so that backward copies every view's gradient with
+        #: one ``_foreach_copy_`` instead of reshaping each in Python and concatenating.
+        self._targets: list[tuple[torch.dtype, list[Tensor], list[int]]] = []
         #: How many buffers to keep (``0``: every flat gradient is fresh memory, freed with it).
         self.keep = self.KEEP
         #: The group's flat-gradient hooks, in registration order (a tuple: read without a lock).
@@ -80,23 +84,59 @@ class GradBuffer:
         """Stop calling ``hook`` (nothing happens if it is not registered)."""
         self.hooks = tuple(h for h in self.hooks if h is not hook)
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """Return a tensor of ``numel`` elements: kept memory that nothing uses, else new memory."""
+    def take(
+        self, layout: GroupLayout, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, list[Tensor] | None, list[int]]:
+        """Return a flat tensor for ``layout``: kept memory that nothing uses, else new memory.
+
+        Returns:
+            The tensor; for kept memory also one tensor per layout segment
+            aliasing it (slots in their shapes) and the padding segments.
+        """
+        numel = layout.numel
         if device.type != "cpu":  # device allocators cache freed memory themselves
-            return torch.empty(numel, dtype=dtype, device=device)
+            return torch.empty(numel, dtype=dtype, device=device), None, []
         nbytes = numel * dtype.itemsize
         with self._lock:
-            self._kept = [s for s in self._kept if s.nbytes() == nbytes][: self.keep]  # forget other layouts
-            for kept in self._kept:
-                if torch._C._storage_Use_Count(kept._cdata) == 1:
-                    return torch.empty(0, dtype=dtype, device=device).set_(kept, 0, (numel,), (1,))
+            kept = [
+                (memory, targets)
+                for memory, targets in zip(self._kept, self._targets)
+                if memory.nbytes() == nbytes and targets[0] == dtype  # forget other layouts
+            ][: self.keep]
+            self._kept = [memory for memory, _ in kept]
+            self._targets = [targets for _, targets in kept]
+            for memory, (_, segments, padding) in kept:
+                # Free when only this list and the segment tensors hold the memory.
+                if torch._C._storage_Use_Count(memory._cdata) == 1 + len(segments):
+                    out = torch.empty(0, dtype=dtype, device=device).set_(memory, 0, (numel,), (1,))
+                    return out, segments, padding
             out = torch.empty(numel, dtype=dtype, device=device)
             if len(self._kept) < self.keep:
-                self._kept.append(out.untyped_storage())
-            return out
+                memory = out.untyped_storage()
+                self._kept.append(memory)
+                self._targets.append((dtype, *_segments(memory, layout, dtype)))
+            return out, None, []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradBuffer:
         return GradBuffer()
+
+
+def _segments(
+    memory: torch.UntypedStorage, layout: GroupLayout, dtype: torch.dtype
+) -> tuple[list[Tensor], list[int]]:
+    """Return a tensor per segment of ``layout`` on ``memory``, and the padding segments.
+
+    They are not views of another tensor (no base keeps a reference), so each
+    holds exactly one reference to the storage (see :meth:`GradBuffer.take`).
+    """
+    shapes = dict(zip(layout.segments, layout.shapes))
+    segments, offset = [], 0
+    for seg, size in enumerate(layout.split_sizes):
+        shape = tuple(shapes.get(seg, (size,)))
+        stride = torch.empty(shape, device="meta").stride()
+        segments.append(torch.empty(0, dtype=dtype).set_(memory, offset, shape, stride))
+        offset += size
+    return segments, [seg for seg in range(len(layout.split_sizes)) if seg not in shapes]
 
 
 class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupSplitBackward
@@ -147,7 +187,7 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
             for hook in hooks:
                 hook.grad_ready(out, False)
             return out, None, None
-        out = buffer.take(layout.numel, dtype, device)
+        out, segments, padding = buffer.take(layout, dtype, device)
         divisor, by = None, None
         if hooks and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
             flat = ctx.flat()
@@ -157,7 +197,19 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
                     if divisor is not None:
                         by = hook
                         break
-        if divisor is None:
+        if divisor is None and segments is not None:
+            targets, sources = [], []
+            for seg, grad in zip(layout.segments, grads):
+                if grad is None:
+                    segments[seg].zero_()
+                else:
+                    targets.append(segments[seg])
+                    sources.append(grad)
+            for seg in padding:
+                segments[seg].zero_()
+            if targets:
+                torch._foreach_copy_(targets, sources)
+        elif divisor is None:
             torch.cat(_flat_pieces(pieces, sizes, dtype, device), out=out)
         else:  # divide while copying, instead of one more pass over the whole gradient later
             for chunk, piece in zip(out.split(sizes), pieces):

@@ -367,6 +367,44 @@ def test_cpu_flat_gradient_memory_is_reused_when_free():
     torch.testing.assert_close(kept, first_values)
 
 
+def test_reused_gradient_memory_gets_every_gradient_zeros_and_zero_padding():
+    """Backward into reused memory writes each view's gradient, zeros for unused slots, zero padding."""
+
+    class PartlyUsed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(5, 3)
+            self.unused = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    model = PartlyUsed()
+    plain = copy.deepcopy(model)
+    storage = register_flat_storage(model, align=4)
+    padding = torch.ones(storage["0"].numel(), dtype=torch.bool)
+    for info in storage.param_infos:
+        padding[info.offset : info.offset + info.numel] = False
+    assert padding.any()
+    pointers = set()
+    for _ in range(4):
+        x = torch.randn(4, 5)
+        storage["0"].grad = None
+        plain.zero_grad(set_to_none=True)
+        model(x).pow(2).sum().backward()
+        plain(x).pow(2).sum().backward()
+        grad = storage["0"].grad
+        pointers.add(grad.data_ptr())
+        for name, view in storage.named_grads():
+            expected = dict(plain.named_parameters())[name].grad
+            torch.testing.assert_close(view, torch.zeros_like(view) if expected is None else expected)
+        assert grad[padding].eq(0).all()
+        grad.fill_(7.0)  # garbage everywhere, padding included, before the memory is reused
+        del grad
+    assert len(pointers) <= 2  # the memory is reused across steps
+
+
 def test_hessian_vector_product_through_the_flat_parameter_matches_plain():
     """create_graph=True through the group node (second derivatives w.r.t. the flat weights) works."""
     from torch.nn.utils import parameters_to_vector
