@@ -23,9 +23,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["TAG", "Worker", "emit", "free_ports", "serve", "started", "time_in_turns"]
+__all__ = ["TAG", "Worker", "emit", "free_ports", "rank_worker", "serve", "started", "time_in_turns"]
 
 #: Lines of the protocol start with this (anything else a worker prints is passed over).
 TAG = "@bench "
@@ -96,6 +97,15 @@ class Worker:
             f"{self.name} ended (exit code {self.proc.wait()}) or was stopped at the "
             "time limit; its last output:\n" + "\n".join(self.log)
         )
+
+
+def rank_worker(
+    script: str, argv: Sequence[str], rank: int, port: int, contender: str, env: Mapping[str, str]
+) -> Worker:
+    """Start rank ``rank`` of ``contender`` as ``python <script> <argv> --worker RANK PORT CONTENDER``."""
+    command = [sys.executable, script, *argv, "--worker", str(rank), str(port), contender]
+    name = f"{Path(script).stem}: {contender!r} rank {rank}"
+    return Worker(command, name, env)
 
 
 @contextlib.contextmanager

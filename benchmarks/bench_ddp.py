@@ -48,7 +48,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._processes import Worker, emit, free_ports, serve, started, time_in_turns
+from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
 
 __all__ = ["main"]
 
@@ -107,16 +107,11 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------- one rank
 
 
-def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
-    """Build one contender on this rank, warm it up, then time ``steps`` steps per ``go`` line on stdin."""
-    if contender not in CONTENDERS:
-        raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
+def setup_rank(rank: int, port: int, config: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
+    """Join the gloo group as ``rank``; return the workload's MLP (same seed on every rank) and its batch."""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    from flatten_parametrize import register_flat_storage
 
     torch.set_num_threads(config["threads"])
     dist.init_process_group(
@@ -124,16 +119,30 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=WORLD,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=timeout_s),
     )
-    width, cap = config["width"], config["bucket_cap_mb"]
+    width = config["width"]
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(config["depth"]):
         layers += [nn.Linear(width, width), nn.ReLU()]
-    model: nn.Module = nn.Sequential(*layers)
-    params = sum(p.numel() for p in model.parameters())
     x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(rank))
+    return nn.Sequential(*layers), x
+
+
+def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
+    """Build one contender on this rank, warm it up, then time ``steps`` steps per ``go`` line on stdin."""
+    if contender not in CONTENDERS:
+        raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flatten_parametrize import register_flat_storage
+
+    model, x = setup_rank(rank, port, config, timeout_s=120)
+    cap = config["bucket_cap_mb"]
+    params = sum(p.numel() for p in model.parameters())
     groups = None
     if contender in (DDP, DDP_VIEW):
         model = DistributedDataParallel(
@@ -183,16 +192,7 @@ def _minor_faults() -> int:
 
 def _rank(argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]) -> Worker:
     """Start one rank of one contender."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        *argv,
-        "--worker",
-        str(rank),
-        str(port),
-        contender,
-    ]
-    return Worker(command, f"bench_ddp: {contender!r} rank {rank}", env)
+    return rank_worker(str(Path(__file__).resolve()), argv, rank, port, contender, env)
 
 
 def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -44,9 +44,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._processes import Worker, emit, free_ports, serve, started, time_in_turns
+from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
 from benchmarks._timing import Table
-from benchmarks.bench_ddp import _config, _fmt_ms, _malloc_env, _minor_faults
+from benchmarks.bench_ddp import _config, _fmt_ms, _malloc_env, _minor_faults, setup_rank
 
 __all__ = ["main"]
 
@@ -115,22 +115,9 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     from benchmarks._memory import peak_bytes, reset_peak, rss_bytes, trim
     from flatten_parametrize import ShardedOptimizer, register_flat_storage
 
-    torch.set_num_threads(config["threads"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=300),
-    )
-    width, cap = config["width"], config["bucket_cap_mb"]
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(config["depth"]):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model: nn.Module = nn.Sequential(*layers)
+    model, x = setup_rank(rank, port, config, timeout_s=300)
+    cap = config["bucket_cap_mb"]
     params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(rank))
     trim()
     base = rss_bytes() or 0
     opt: torch.optim.Optimizer
@@ -198,16 +185,7 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
 
 def _rank(argv: Sequence[str], rank: int, port: int, contender: str, env: dict[str, str]) -> Worker:
     """Start one rank of one contender."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        *argv,
-        "--worker",
-        str(rank),
-        str(port),
-        contender,
-    ]
-    return Worker(command, f"bench_zero: {contender!r} rank {rank}", env)
+    return rank_worker(str(Path(__file__).resolve()), argv, rank, port, contender, env)
 
 
 def _launch(argv: Sequence[str], config: dict[str, Any], timeout: float) -> dict[str, Any]:
