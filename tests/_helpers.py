@@ -57,6 +57,21 @@ class WithOwnParam(nn.Module):
         return self.bn(self.fc(x * self.scale + self.offset))
 
 
+class Mixed(nn.Module):
+    """float32 and float64 layers, a frozen layer and a BatchNorm: several automatic groups, a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.wide = nn.Linear(6, 6).double()
+        self.out = nn.Linear(6, 3).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.wide(self.bn(self.inp(x)).double()).float())
+
+
 def mlp(depth: int = 3, width: int = 5, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []

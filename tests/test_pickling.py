@@ -22,22 +22,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
-from _helpers import TiedLM, WithOwnParam, assert_same_values, mlp, twin, values
-
-
-class Mixed(nn.Module):
-    """Two dtypes, a frozen layer and a BatchNorm: several automatic groups, a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.wide = nn.Linear(6, 6).double()
-        self.out = nn.Linear(6, 3).requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.wide(self.bn(self.inp(x)).double()).float())
+from _helpers import Mixed, TiedLM, WithOwnParam, assert_same_values, mlp, twin, values
 
 
 def _input(model: nn.Module) -> torch.Tensor:

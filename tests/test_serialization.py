@@ -20,22 +20,7 @@ from torch import nn
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 
-from _helpers import TiedLM, WithOwnParam
-
-
-class Mixed(nn.Module):
-    """float32 and float64 layers, a frozen layer and a BatchNorm: several automatic groups."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 6)
-        self.bn = nn.BatchNorm1d(6)
-        self.wide = nn.Linear(6, 6).double()
-        self.out = nn.Linear(6, 3).requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.wide(self.bn(self.inp(x)).double()).float())
+from _helpers import Mixed, TiedLM, WithOwnParam
 
 
 def _inputs(factory: Callable[[], nn.Module]) -> Any:
