@@ -48,12 +48,13 @@ def locate(modules: dict[str, nn.Module], qualified: str) -> tuple[nn.Module, st
 
 
 def live_names(storage: Coordinator, slot: Slot, modules: dict[str, nn.Module]) -> tuple[str, ...]:
-    """Return the names of ``slot`` whose module is still in the tree (not replaced or deleted since).
+    """Return the names by which the tree reaches ``slot`` now (none once its module was replaced or deleted).
 
     A name is live while the module at its path is one that ``storage`` changed
-    and that serves the attribute from its slot. A submodule replaced after
-    registration (a new head) holds ordinary parameters; the slot it replaced is
-    dead space in the flat buffer.
+    and that serves the attribute from its slot; a module that serves it from
+    another path (moved in the tree) gives its current names. A submodule
+    replaced after registration (a new head) holds ordinary parameters; the
+    slot it replaced is dead space in the flat buffer.
     """
     names = []
     for name in slot.all_names:
@@ -62,6 +63,18 @@ def live_names(storage: Coordinator, slot: Slot, modules: dict[str, nn.Module]) 
         state = None if owner is None else storage.state_of(owner)
         if state is not None and attr in state.slots:
             names.append(name)
+    if names:
+        return tuple(names)
+    # No registered path leads to it: the module that serves it may have moved (peft's
+    # merge_and_unload puts the wrapped layer where its adapter was). Its current names.
+    views = storage.groups()[slot.group_index].views
+    for path, owner in modules.items():
+        state = storage.state_of(owner)
+        if state is None:
+            continue
+        for attr, (group_views, index) in state.slots.items():
+            if group_views is views and index == slot.index:
+                names.append(f"{path}.{attr}" if path else attr)
     return tuple(names)
 
 
@@ -204,8 +217,9 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
     tx.keep_dict(root._parameters)
     for group in groups:
         root._parameters.pop(group.flat_name, None)
+    params = {(id(groups[s.group_index].views), s.index): s.param for s in slots}
     for owner in {id(m): m for m in modules.values() if MODULE_STATE_ATTR in m.__dict__}.values():
-        _restore_module(owner, slots, modules, tx)
+        _restore_module(owner, params, tx)
     _remove_trace_hooks(root, tx)
     tx.keep_dict(root.__dict__)
     root.__dict__.pop(STORAGE_ATTR, None)
@@ -227,10 +241,13 @@ def _remove_trace_hooks(root: nn.Module, tx: Transaction) -> None:
                 del hooks[hook_id]
 
 
-def _restore_module(
-    owner: nn.Module, slots: Sequence[Slot], modules: dict[str, nn.Module], tx: Transaction
-) -> None:
-    """Give ``owner`` back its parameters, its container of parametrizations and its class."""
+def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter], tx: Transaction) -> None:
+    """Give ``owner`` back its parameters, its container of parametrizations and its class.
+
+    ``params`` maps (id of a group's views, index) to the slot's parameter: each
+    attribute ``owner`` serves gets its slot's, wherever ``owner`` now sits in
+    the tree (peft's unload moves wrapped layers).
+    """
     tx.keep_dict(owner.__dict__)
     tx.keep_dict(owner._parameters)
     tx.keep_dict(owner._modules)
@@ -240,11 +257,8 @@ def _restore_module(
         tx.keep_dict(container._modules)
         for attr in state.slots:
             container._modules.pop(attr, None)
-    for slot in slots:
-        for name in slot.all_names:
-            path, _, attr = name.rpartition(".")
-            if modules.get(path) is owner:
-                owner._parameters[attr] = slot.param
+    for attr, (views, index) in state.slots.items():
+        owner._parameters[attr] = params[(id(views), index)]
     _reorder(owner._parameters, state.order)
     if isinstance(container, HiddenParametrizations):
         if len(container):

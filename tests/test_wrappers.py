@@ -99,6 +99,15 @@ def test_merge_and_unload_gives_the_plain_merged_model():
     assert merged.device == ref.device and merged.dtype == ref.dtype
     generated = merged.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False)
     assert torch.equal(generated, ref.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False))
+    with storage.unflattened():  # the merged layers serve from their new paths
+        assert [n for n, _ in merged.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        assert torch.equal(merged(input_ids=ids).logits, ref(input_ids=ids).logits)
+    # The merged-away LoRA matrices are dead space in the flat buffer until the storage is removed.
+    assert merged.num_parameters() > ref.num_parameters()
+    remove_flat_storage(merged)
+    assert merged.num_parameters() == ref.num_parameters()
+    assert [n for n, _ in merged.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ref.state_dict().values()))
 
 
 def test_groups_name_parameters_as_the_wrapper_or_the_wrapped_model_sees_them():
