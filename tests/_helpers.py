@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -348,3 +349,28 @@ def spawn_gloo(
             errors.append(f"rank {rank} ended with exit code {proc.exitcode} (killed if negative)")
     if errors:
         raise RankFailed("\n".join(errors))
+
+
+def save_result(outdir: Path, rank: int, name: str, result: Any) -> None:
+    """Save ``result`` of scenario ``name`` on ``rank``, renamed into place (never half a file)."""
+    torch.save(result, outdir / f"{name}.{rank}.tmp")
+    (outdir / f"{name}.{rank}.tmp").rename(outdir / f"{name}.{rank}.pt")
+
+
+def launch_gloo(worker: Callable[[int, int, Path], None], outdir: Path, *, world: int = 2) -> dict[str, Any]:
+    """Run :func:`spawn_gloo`; return ``outdir``, the failure report (if any), the seconds and ``world``."""
+    start = time.monotonic()
+    try:
+        spawn_gloo(worker, outdir, world=world)
+        failure = "no rank failed"
+    except RankFailed as error:
+        failure = str(error)
+    return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start, "world": world}
+
+
+def launch_results(launch: dict[str, Any], name: str) -> list[Any]:
+    """Return each rank's result of scenario ``name``; fail with the launch's errors if one is missing."""
+    paths = [launch["outdir"] / f"{name}.{rank}.pt" for rank in range(launch["world"])]
+    if not all(path.exists() for path in paths):
+        pytest.fail(f"scenario {name!r} left no result on every rank; the launch said:\n{launch['failure']}")
+    return [torch.load(path, weights_only=False) for path in paths]

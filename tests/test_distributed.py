@@ -24,14 +24,9 @@ from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import _distributed, register_flat_storage, remove_flat_storage
 
-from _helpers import RankFailed, mlp, spawn_gloo, values
+from _helpers import launch_gloo, launch_results, mlp, save_result, values
 
 # ------------------------------------------------------------------ launching
-
-
-def _save(outdir: Path, rank: int, name: str, result: Any) -> None:
-    torch.save(result, outdir / f"{name}.{rank}.tmp")
-    (outdir / f"{name}.{rank}.tmp").rename(outdir / f"{name}.{rank}.pt")
 
 
 # --------------------------------------------------------- 2-rank scenarios
@@ -200,36 +195,19 @@ _SCENARIOS["failing_rank"] = _failing_rank  # last: it ends the launch
 
 def _run_scenarios(rank: int, world: int, outdir: Path) -> None:
     for name, scenario in _SCENARIOS.items():
-        _save(outdir, rank, name, scenario(rank, world))
+        save_result(outdir, rank, name, scenario(rank, world))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch of 2 ranks running every scenario; the last one makes rank 1 fail."""
-    outdir = tmp_path_factory.mktemp("ranks")
-    start = time.monotonic()
-    try:
-        spawn_gloo(_run_scenarios, outdir)
-        failure = "no rank failed"
-    except RankFailed as error:
-        failure = str(error)
-    return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start}
-
-
-def _results(two_ranks: dict[str, Any], name: str) -> list[Any]:
-    """Return each rank's result of scenario ``name``; fail with the launch's errors if one is missing."""
-    paths = [two_ranks["outdir"] / f"{name}.{rank}.pt" for rank in range(2)]
-    if not all(path.exists() for path in paths):
-        pytest.fail(
-            f"scenario {name!r} left no result on both ranks; the launch said:\n{two_ranks['failure']}"
-        )
-    return [torch.load(path, weights_only=False) for path in paths]
+    return launch_gloo(_run_scenarios, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.slow
 def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
     """Two ranks with grad sync, each on half the batch, end where one process on the whole batch ends."""
-    first, second = _results(two_ranks, "sync_training")
+    first, second = launch_results(two_ranks, "sync_training")
     for result in (first, second):
         assert result["groups"] > 2
         for key in result["plain"]:
@@ -241,7 +219,7 @@ def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
 @pytest.mark.slow
 def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
     """With large segments backward divides by the world size and the collective only sums; same training."""
-    for result in _results(two_ranks, "divided_in_backward"):
+    for result in launch_results(two_ranks, "divided_in_backward"):
         assert set(result["ops"]) == {"sum"}, result["ops"]
         for key in result["plain"]:
             torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
@@ -250,7 +228,7 @@ def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
 @pytest.mark.slow
 def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
     """Micro-batches under no_sync stay local; the next synced backward averages their sum."""
-    first, second = _results(two_ranks, "no_sync")
+    first, second = launch_results(two_ranks, "no_sync")
     assert not torch.allclose(first["local"], second["local"])
     for result in (first, second):
         torch.testing.assert_close(result["synced"], result["plain"])
@@ -259,7 +237,7 @@ def test_no_sync_accumulation_equals_the_plain_gradient(two_ranks):
 @pytest.mark.slow
 def test_group_unused_on_one_rank_is_averaged_with_zeros(two_ranks):
     """A group one rank's backward does not reach gets the other ranks' gradient over world size; no hang."""
-    first, second = (result["steps"] for result in _results(two_ranks, "unused_group"))
+    first, second = (result["steps"] for result in launch_results(two_ranks, "unused_group"))
     for step0, step1 in zip(first, second):
         assert torch.equal(step0["a"], step1["a"])
         assert torch.equal(step0["b"], step1["b"])
@@ -269,7 +247,7 @@ def test_group_unused_on_one_rank_is_averaged_with_zeros(two_ranks):
 @pytest.mark.slow
 def test_broadcast_params_copies_the_source_rank(two_ranks):
     """After broadcast_params(src=1) every rank holds rank 1's flat parameters."""
-    first, second = _results(two_ranks, "broadcast")
+    first, second = launch_results(two_ranks, "broadcast")
     assert not torch.equal(first["before"], second["before"])
     assert torch.equal(first["after"], second["before"])
     assert torch.equal(second["after"], second["before"])
@@ -278,7 +256,7 @@ def test_broadcast_params_copies_the_source_rank(two_ranks):
 @pytest.mark.slow
 def test_all_reduce_grads_sum_adds_the_ranks_gradients(two_ranks):
     """all_reduce_grads(op='sum') leaves the sum of every rank's gradient on every rank."""
-    first, second = _results(two_ranks, "all_reduce_sum")
+    first, second = launch_results(two_ranks, "all_reduce_sum")
     for result in (first, second):
         torch.testing.assert_close(result["reduced"], first["local"] + second["local"])
 

@@ -26,14 +26,9 @@ from torch import nn
 
 from flatten_parametrize import ShardedOptimizer, _sharded, plain_optim_state_dict, register_flat_storage
 
-from _helpers import RankFailed, mlp, spawn_gloo, values
+from _helpers import launch_gloo, launch_results, mlp, save_result, values
 
 BATCH = 12  # divisible by 2 and 3 ranks
-
-
-def _save(outdir: Path, rank: int, name: str, result: Any) -> None:
-    torch.save(result, outdir / f"{name}.{rank}.tmp")
-    (outdir / f"{name}.{rank}.tmp").rename(outdir / f"{name}.{rank}.pt")
 
 
 STEPS = 5
@@ -424,55 +419,35 @@ _SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
 
 
 def _run_two(rank: int, world: int, outdir: Path) -> None:
-    _save(outdir, rank, "checkpoint", _scenario_checkpoint_save(rank, world, outdir))
+    save_result(outdir, rank, "checkpoint", _scenario_checkpoint_save(rank, world, outdir))
     for name, scenario in _SCENARIOS.items():
-        _save(outdir, rank, name, scenario(rank, world))
-    _save(outdir, rank, "engines", _scenario_engines(rank, world))
-    _save(outdir, rank, "failing_rank", _failing_rank(rank, world))  # last: it ends the launch
+        save_result(outdir, rank, name, scenario(rank, world))
+    save_result(outdir, rank, "engines", _scenario_engines(rank, world))
+    save_result(outdir, rank, "failing_rank", _failing_rank(rank, world))  # last: it ends the launch
 
 
 def _run_three(saved_dir: Path, rank: int, world: int, outdir: Path) -> None:
-    _save(outdir, rank, "resume", _scenario_checkpoint_resume(rank, world, outdir, saved_dir))
+    save_result(outdir, rank, "resume", _scenario_checkpoint_resume(rank, world, outdir, saved_dir))
     for name, scenario in _SCENARIOS.items():
-        _save(outdir, rank, name, scenario(rank, world))
+        save_result(outdir, rank, name, scenario(rank, world))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch of 2 ranks running every scenario; the last one makes rank 1 fail."""
-    outdir = tmp_path_factory.mktemp("ranks2")
-    start = time.monotonic()
-    try:
-        spawn_gloo(_run_two, outdir, world=2)
-        failure = "no rank failed"
-    except RankFailed as error:
-        failure = str(error)
-    return {"outdir": outdir, "failure": failure, "seconds": time.monotonic() - start, "world": 2}
+    return launch_gloo(_run_two, tmp_path_factory.mktemp("ranks2"), world=2)
 
 
 @pytest.fixture(scope="module")
 def three_ranks(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch of 3 ranks running every scenario, resuming the 2-rank checkpoint first."""
-    outdir = tmp_path_factory.mktemp("ranks3")
-    try:
-        spawn_gloo(functools.partial(_run_three, two_ranks["outdir"]), outdir, world=3)
-        failure = "no rank failed"
-    except RankFailed as error:
-        failure = str(error)
-    return {"outdir": outdir, "failure": failure, "world": 3, "saved": two_ranks}
+    worker = functools.partial(_run_three, two_ranks["outdir"])
+    return {**launch_gloo(worker, tmp_path_factory.mktemp("ranks3"), world=3), "saved": two_ranks}
 
 
 @pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
 def ranks(request: pytest.FixtureRequest) -> dict[str, Any]:
     return request.getfixturevalue("two_ranks" if request.param == 2 else "three_ranks")
-
-
-def _results(launch: dict[str, Any], name: str) -> list[Any]:
-    """Return each rank's result of scenario ``name``; fail with the launch's errors if one is missing."""
-    paths = [launch["outdir"] / f"{name}.{rank}.pt" for rank in range(launch["world"])]
-    if not all(path.exists() for path in paths):
-        pytest.fail(f"scenario {name!r} left no result on every rank; the launch said:\n{launch['failure']}")
-    return [torch.load(path, weights_only=False) for path in paths]
 
 
 def _assert_trained_alike(result: dict[str, Any], msg: str = "") -> None:
@@ -492,7 +467,7 @@ def _assert_ranks_equal(results: list[dict[str, Any]]) -> None:
 @pytest.mark.slow
 def test_training_equals_one_process_on_the_combined_batch(ranks):
     """AdamW (default, foreach, fused) and SGD with momentum, ZeRO-1 and 2: 5 steps like one process."""
-    results = _results(ranks, "training")
+    results = launch_results(ranks, "training")
     for config in results[0]:
         per_rank = [r[config] for r in results]
         for result in per_rank:
@@ -503,7 +478,7 @@ def test_training_equals_one_process_on_the_combined_batch(ranks):
 @pytest.mark.slow
 def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
     """clip_grad_norm_ (2-norm and inf-norm) returns torch's norm of the averaged gradients (rel 1e-6)."""
-    for config, result in _results(ranks, "training")[0].items():
+    for config, result in launch_results(ranks, "training")[0].items():
         for norm, plain_norm in result["norms"]:
             assert norm == pytest.approx(plain_norm, rel=1e-6), config
         assert any(plain_norm > 0.5 for _, plain_norm in result["norms"]), "clipping never happened"
@@ -512,7 +487,7 @@ def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
 @pytest.mark.slow
 def test_schedules_reach_the_inner_optimizer_and_frozen_groups_get_no_state(ranks):
     """An LR scheduler's changes reach the inner optimizer; a frozen flat parameter has no state."""
-    for result in _results(ranks, "training")[0].values():
+    for result in launch_results(ranks, "training")[0].values():
         outer, inner, plain = result["lr"]  # at the last step
         assert outer == inner == pytest.approx(plain)
         assert outer < result["first_lr"]
@@ -522,7 +497,7 @@ def test_schedules_reach_the_inner_optimizer_and_frozen_groups_get_no_state(rank
 @pytest.mark.slow
 def test_one_buffer_collectives_train_alike(ranks):
     """The reduce_scatter / all_gather path (NCCL's) trains like one process too (run here on gloo)."""
-    results = _results(ranks, "one_buffer_collectives")
+    results = launch_results(ranks, "one_buffer_collectives")
     for shard in (True, False):
         for result in results:
             _assert_trained_alike(result[shard], f"shard_gradients={shard}")
@@ -533,7 +508,7 @@ def test_one_buffer_collectives_train_alike(ranks):
 def test_buckets_train_alike_and_hold_a_slice_of_state_and_gradients(ranks):
     """Optimizer state per rank is 1/N (+ padding < N per group); ZeRO-2 gradients 1/N, ZeRO-1 whole."""
     world = ranks["world"]
-    for result in _results(ranks, "buckets_and_memory"):
+    for result in launch_results(ranks, "buckets_and_memory"):
         for shard in (True, False):
             r = result[shard]
             assert r["groups"] > 2
@@ -551,7 +526,7 @@ def test_buckets_train_alike_and_hold_a_slice_of_state_and_gradients(ranks):
 @pytest.mark.slow
 def test_mixed_dtypes_get_one_slice_per_group(ranks):
     """A float32 and a float64 group: each slice keeps its dtype; training matches."""
-    for result in _results(ranks, "mixed_dtypes"):
+    for result in launch_results(ranks, "mixed_dtypes"):
         assert result["dtypes"] == [torch.float32, torch.float64]
         _assert_trained_alike(result)
 
@@ -559,7 +534,7 @@ def test_mixed_dtypes_get_one_slice_per_group(ranks):
 @pytest.mark.slow
 def test_no_sync_accumulates_and_the_last_backward_syncs_the_sum(ranks):
     """Micro-batches under no_sync stay local; the next backward averages their sum (ZeRO-1 and 2)."""
-    results = _results(ranks, "no_sync")
+    results = launch_results(ranks, "no_sync")
     for shard in (True, False):
         assert not torch.allclose(results[0][shard]["local"], results[1][shard]["local"])
         for result in results:
@@ -570,7 +545,7 @@ def test_no_sync_accumulates_and_the_last_backward_syncs_the_sum(ranks):
 def test_different_layouts_on_ranks_raise_on_every_rank(ranks):
     """A rank with another layout makes construction raise a ValueError on every rank, no hang."""
     world = ranks["world"]
-    for result in _results(ranks, "layout_mismatch"):
+    for result in launch_results(ranks, "layout_mismatch"):
         assert result["error"] is not None
         assert f"ranks [{world - 1}] differ from rank 0" in result["error"]
 
@@ -579,7 +554,7 @@ def test_different_layouts_on_ranks_raise_on_every_rank(ranks):
 @pytest.mark.parametrize("engine", ["fully_shard", "ZeroRedundancyOptimizer"])
 def test_flattened_model_trains_like_the_plain_one_under_other_engines(two_ranks, engine):
     """FSDP2's fully_shard and ZeroRedundancyOptimizer + DDP train a flattened model like the plain one."""
-    for result in _results(two_ranks, "engines"):
+    for result in launch_results(two_ranks, "engines"):
         plain, flat, initial = (result[f"{engine}, {k}"] for k in ("flat=False", "flat=True", "initial"))
         assert list(flat) == list(plain)
         for key, value in plain.items():
@@ -604,22 +579,22 @@ def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_state_dict_is_the_single_process_format_on_every_rank(two_ranks):
     """state_dict() after 3 steps equals a single-process optimizer's over the same flat model."""
-    for result in _results(two_ranks, "checkpoint"):
+    for result in launch_results(two_ranks, "checkpoint"):
         _assert_same_state(result["gathered"], result["single"])
 
 
 @pytest.mark.slow
 def test_state_dict_converts_to_the_plain_models_format(two_ranks):
     """plain_optim_state_dict turns the gathered state into the plain model's optimizer state."""
-    result = _results(two_ranks, "checkpoint")[0]
+    result = launch_results(two_ranks, "checkpoint")[0]
     _assert_same_state(result["as_plain"], result["plain"])
 
 
 @pytest.mark.slow
 def test_resharding_2_to_3_continues_like_an_uninterrupted_run(three_ranks):
     """The 2-rank checkpoint (gathered or sharded) resumed on 3 ranks gives the uninterrupted step."""
-    uninterrupted = _results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][0]
-    for result in _results(three_ranks, "resume"):
+    uninterrupted = launch_results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][0]
+    for result in launch_results(three_ranks, "resume"):
         for how in ("gathered", "sharded"):
             for key, value in uninterrupted.items():
                 torch.testing.assert_close(result[how][key], value, rtol=1e-6, atol=1e-6, msg=f"{how} {key}")
@@ -638,7 +613,7 @@ def world1() -> Iterator[None]:
 def test_resharding_3_to_1_continues_like_an_uninterrupted_run(three_ranks, world1):
     """The 3-rank checkpoint of step 4 resumed in one process gives the uninterrupted step 5."""
     outdir = three_ranks["outdir"]
-    uninterrupted = _results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][1]
+    uninterrupted = launch_results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][1]
     saved = torch.load(outdir / "gathered3.pt", weights_only=False)
     for how in ("gathered", "sharded"):
         model, _, opt = _checkpoint_model()
