@@ -57,24 +57,25 @@ CONTENDERS = (DDP, DDP_VIEW, FLAT, FLAT_ONE)
 WORLD = 2
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, bucket_help: str) -> None:
+    """Add the options of the data-parallel workloads' model, sizes and rounds (read by ``_config``)."""
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
+    parser.add_argument("--width", type=int, help="MLP width (default 1024; 256 with --quick)")
+    parser.add_argument("--depth", type=int, help="number of Linear layers (default 12; 6 with --quick)")
+    parser.add_argument("--batch", type=int, help="samples per rank (default 64; 16 with --quick)")
+    parser.add_argument("--bucket-cap-mb", type=float, help=f"{bucket_help} (default 25; 1 with --quick)")
+    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 15; 5 with --quick)")
+    parser.add_argument("--steps", type=int, help="steps per contender per round (default 3; 2 with --quick)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/bench_ddp.py",
         description="Training-step time of flat-storage gradient sync against DistributedDataParallel "
         "(2 gloo processes on 127.0.0.1, CPU).",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
-    parser.add_argument("--width", type=int, help="MLP width (default 1024; 256 with --quick)")
-    parser.add_argument("--depth", type=int, help="number of Linear layers (default 12; 6 with --quick)")
-    parser.add_argument("--batch", type=int, help="samples per rank (default 64; 16 with --quick)")
-    parser.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        help="bucket size for DDP and flat, MiB (default 25; 1 with --quick)",
-    )
-    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 15; 5 with --quick)")
-    parser.add_argument("--steps", type=int, help="steps per contender per round (default 3; 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add_workload_arguments(parser, bucket_help="bucket size for DDP and flat, MiB")
     parser.add_argument(
         "--no-trim",
         action="store_true",

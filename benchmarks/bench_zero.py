@@ -46,7 +46,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
 from benchmarks._timing import Table
-from benchmarks.bench_ddp import _config, _fmt_ms, _malloc_env, _minor_faults, setup_rank
+from benchmarks.bench_ddp import (
+    _config,
+    _fmt_ms,
+    _malloc_env,
+    _minor_faults,
+    add_workload_arguments,
+    setup_rank,
+)
 
 __all__ = ["main"]
 
@@ -68,14 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Training step and memory of ShardedOptimizer against DDP, ZeroRedundancyOptimizer and "
         "FSDP2 (2 gloo processes on 127.0.0.1, CPU, AdamW).",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
-    parser.add_argument("--width", type=int, help="MLP width (default 1024; 256 with --quick)")
-    parser.add_argument("--depth", type=int, help="number of Linear layers (default 12; 6 with --quick)")
-    parser.add_argument("--batch", type=int, help="samples per rank (default 64; 16 with --quick)")
-    parser.add_argument("--bucket-cap-mb", type=float, help="bucket size, MiB (default 25; 1 with --quick)")
-    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 15; 5 with --quick)")
-    parser.add_argument("--steps", type=int, help="steps per contender per round (default 3; 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add_workload_arguments(parser, bucket_help="bucket size, MiB")
     parser.add_argument("--no-trim", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
     parser.add_argument(
