@@ -177,13 +177,10 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
         layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
         sizes = layout.split_sizes
-        pieces: list[Tensor | None] = [None] * len(sizes)
-        for seg, grad in zip(layout.segments, grads):
-            pieces[seg] = grad
         buffer: GradBuffer = ctx.buffer
         hooks = buffer.hooks
         if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
-            out = torch.cat(_flat_pieces(pieces, sizes, dtype, device))
+            out = torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device))
             for hook in hooks:
                 hook.grad_ready(out, False)
             return out, None, None
@@ -210,9 +207,9 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
             if targets:
                 torch._foreach_copy_(targets, sources)
         elif divisor is None:
-            torch.cat(_flat_pieces(pieces, sizes, dtype, device), out=out)
+            torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device), out=out)
         else:  # divide while copying, instead of one more pass over the whole gradient later
-            for chunk, piece in zip(out.split(sizes), pieces):
+            for chunk, piece in zip(out.split(sizes), _by_segment(layout, grads)):
                 if piece is None:
                     chunk.zero_()
                 else:
@@ -220,6 +217,14 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
         for hook in hooks:
             hook.grad_ready(out, hook is by)
         return out, None, None
+
+
+def _by_segment(layout: GroupLayout, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+    """Return the slots' gradients placed at their segments (``None`` for padding and unused slots)."""
+    pieces: list[Tensor | None] = [None] * len(layout.split_sizes)
+    for seg, grad in zip(layout.segments, grads):
+        pieces[seg] = grad
+    return pieces
 
 
 def _flat_pieces(
