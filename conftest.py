@@ -9,7 +9,7 @@ import pytest
 #: Doctests of the methods of ``ShardedOptimizer`` continue the class example: they run in a
 #: process group of one gloo rank, with ``dist``, ``torch``, ``model``, ``storage``, ``opt``, ``x0``
 #: and ``x1`` defined.
-SHARDED_METHODS = "flatten_parametrize._sharded.ShardedOptimizer."
+SHARDED_METHODS = "flatten_parametrize._distributed.sharded.ShardedOptimizer."
 
 
 @pytest.fixture(autouse=True)

@@ -217,7 +217,7 @@ def _collectives_rank(rank: int, world: int, port: int, numel: int, rounds: int,
     import torch
     import torch.distributed as dist
 
-    from flatten_parametrize._shard import all_gather, reduce_scatter
+    from flatten_parametrize._distributed.shard import all_gather, reduce_scatter
 
     torch.set_num_threads(1)
     dist.init_process_group(

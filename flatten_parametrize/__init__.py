@@ -4,14 +4,36 @@ Each flattened parameter becomes a ``torch.nn.utils.parametrize``
 parametrization that returns a view of a shared flat ``nn.Parameter``; the
 module tree, its classes (as ``isinstance`` sees them) and its attribute
 names are unchanged.
+
+Layout of the package (every sub-package is private; what users import is
+re-exported here). Dependencies run one way, downwards in this list, and
+``tests/test_structure.py`` enforces it:
+
+* the public entry points, beside this file: ``_api.py`` (register, get,
+  remove), ``_storage.py`` (the ``FlatStorage`` facade users hold),
+  ``_decay.py`` (``weight_decay_groups``), ``_flat_parameter.py`` (the stable
+  pickle path), ``_demo.py``;
+* ``_distributed/``: gradient sync and ``ShardedOptimizer`` with its
+  checkpoints; ``_features/``: disk backing and ensembles;
+  ``_inspect/``: summary, repr and plot. Each uses ``_core`` (and
+  ``_distributed`` uses ``_state``), never ``_install`` or each other;
+* ``_install/``: registration and the module surgery: the private coordinator
+  core, the injected classes, flatten/unflatten, install/remove, pickling and
+  deep copy, grouping;
+* ``_state/``: state dicts (both forms, atomic loads), state-dict aliases,
+  optimizer-state conversion and ``attach_optimizer``;
+* ``_core/``: what everything else stands on: names, layout, records and
+  protocols (the coordinator's read API, the feature lifecycle, the
+  flat-gradient hook), the view cache (the hot path), gradients, write landing,
+  transactions.
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
-from ._attach_optim import OptimizerAttachment
+from ._core.flat_parameter import FlatParameter
 from ._decay import weight_decay_groups
-from ._flat_parameter import FlatParameter
-from ._optim import flat_optim_state_dict, plain_optim_state_dict
-from ._sharded import ShardedOptimizer
+from ._distributed.sharded import ShardedOptimizer
+from ._state.attach_optim import OptimizerAttachment
+from ._state.optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"

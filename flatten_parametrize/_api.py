@@ -7,15 +7,15 @@ import math
 import torch
 from torch import nn
 
-from ._flat_parameter import FlatParameter
-from ._grouping import GroupsArg, bucket_groups, resolve_groups
-from ._layout import plan_group
-from ._names import registered_storage
-from ._records import Slot
-from ._reuse import check_same_layout
+from ._core.flat_parameter import FlatParameter
+from ._core.layout import plan_group
+from ._core.names import registered_storage
+from ._core.records import Slot
+from ._install.grouping import GroupsArg, bucket_groups, resolve_groups
+from ._install.reuse import check_same_layout
+from ._install.surgery import zero_padding
+from ._install.wrappers import registration_target, strip_prefix
 from ._storage import FlatStorage, install_storage, remove_storage
-from ._surgery import zero_padding
-from ._wrappers import registration_target, strip_prefix
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ._api import get_flat_storage
-from ._grouping import _collect_names
-from ._reuse import plain_parameters
-from ._wrappers import registration_target
+from ._install.grouping import _collect_names
+from ._install.reuse import plain_parameters
+from ._install.wrappers import registration_target
 
 __all__ = ["DECAY_GROUP", "NO_DECAY_GROUP", "NoDecayRule", "weight_decay_groups"]
 

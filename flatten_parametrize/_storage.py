@@ -23,16 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 import torch
 from torch import Tensor, nn
 
-from . import _surgery as surgery
-from ._attach_optim import OptimizerAttachment, attach_optimizer
-from ._distributed import GradSync
-from ._features import Feature, in_flat_mode
-from ._flat_parameter import FlatParameter
-from ._functional import Functional, StackedTensors
-from ._inspect import storage_html, storage_repr, summary_table
-from ._layout import GroupLayout
-from ._module_classes import clone_class
-from ._names import (
+from ._core.features import Feature, in_flat_mode
+from ._core.flat_parameter import FlatParameter
+from ._core.layout import GroupLayout
+from ._core.names import (
     MODULE_STATE_ATTR,
     UNFLATTENED,
     flat_layout_name,
@@ -40,14 +34,20 @@ from ._names import (
     library_state,
     registered_storage,
 )
-from ._offload import DiskOffload
-from ._per_group import per_group
-from ._plot import plot_layout
-from ._records import Group, ModuleState, ParamInfo, Slot, StagedValue
-from ._state_dict import Snapshot, commit_staged, layout_record
-from ._transaction import Transaction, atomically
-from ._view_cache import GroupViews, same_memory
-from ._writes import check_flat_replacement, land_direct_writes, land_parameter, watch
+from ._core.per_group import per_group
+from ._core.records import Group, ModuleState, ParamInfo, Slot, StagedValue
+from ._core.transaction import Transaction, atomically
+from ._core.view_cache import GroupViews, same_memory
+from ._core.writes import check_flat_replacement, land_direct_writes, land_parameter, watch
+from ._distributed.grad_sync import GradSync
+from ._features.functional import Functional, StackedTensors
+from ._features.offload import DiskOffload
+from ._inspect.plot import plot_layout
+from ._inspect.summary import storage_html, storage_repr, summary_table
+from ._install import surgery
+from ._install.module_classes import clone_class
+from ._state.attach_optim import OptimizerAttachment, attach_optimizer
+from ._state.state_dict import Snapshot, commit_staged, layout_record
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -885,7 +885,7 @@ class FlatStorage:
     def plot_layout(self, **kwargs: Any) -> Any:
         """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
 
-        See :func:`flatten_parametrize._plot.plot_layout` for the arguments.
+        See :func:`flatten_parametrize._inspect.plot.plot_layout` for the arguments.
 
         Returns:
             A ``matplotlib.figure.Figure``.

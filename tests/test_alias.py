@@ -13,7 +13,7 @@ from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
 from flatten_parametrize import register_flat_storage
-from flatten_parametrize._alias import own_storage_alias
+from flatten_parametrize._state.alias import own_storage_alias
 
 from _hf import gpt2
 

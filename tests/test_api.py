@@ -299,7 +299,7 @@ def test_registration_is_atomic_when_a_class_cannot_be_created():
 
 def test_registration_is_atomic_when_a_late_step_fails(monkeypatch):
     """If installing the k-th view fails, everything installed before is undone."""
-    import flatten_parametrize._surgery as install_module
+    import flatten_parametrize._install.surgery as install_module
 
     real = install_module.register_view
     for fail_at in range(4):

@@ -1,4 +1,4 @@
-"""Data-parallel gradient sync (``_distributed.py``) and buckets (``bucket_cap_mb``).
+"""Data-parallel gradient sync (``_distributed/grad_sync.py``) and buckets (``bucket_cap_mb``).
 
 Argument checks and the hook machinery run in this process with a gloo world
 of size 1. Training across ranks runs in 2 spawned gloo processes on
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from flatten_parametrize import _distributed, register_flat_storage, remove_flat_storage
+from flatten_parametrize import register_flat_storage, remove_flat_storage
+from flatten_parametrize._distributed import grad_sync as _distributed
 
 from _helpers import launch_gloo, launch_results, mlp, save_result, values
 
@@ -544,7 +545,7 @@ def test_grad_sync_refuses_reentrant_checkpointing(collectives, block):
 
 
 def _sync_hooks(model: nn.Module, storage) -> int:
-    from flatten_parametrize._distributed import _RehookOnForward
+    from flatten_parametrize._distributed.grad_sync import _RehookOnForward
 
     on_flat = sum(
         len(f._post_accumulate_grad_hooks or {}) + len(f._backward_hooks or {}) for f in storage.flat_params

@@ -260,7 +260,7 @@ LINE_SCENARIOS = [
 ]
 
 #: Library modules that only plan (read the module, change nothing): no line faults there.
-PLANNING_MODULES = ("_grouping.py", "_layout.py")
+PLANNING_MODULES = ("grouping.py", "layout.py")
 
 
 # --------------------------------------------------------------------------- outcomes

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flatten_parametrize import register_flat_storage, remove_flat_storage
-from flatten_parametrize._grad import PRESCALE_MIN_SEGMENT_BYTES
+from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES
 
 from _helpers import mlp
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +85,35 @@ def test_flat_parameter_rejects_a_layout_that_does_not_fit():
         FlatParameter(torch.zeros(2, 2))
     with pytest.raises(ValueError, match="one name, shape, numel and offset per tensor"):
         FlatParameter(torch.zeros(2), names=["a", "b"], shapes=[(1,)], numels=[1])
+
+
+def test_checkpoint_written_before_the_sub_packages_loads_with_weights_only():
+    """A flat parameter and flat state dict saved by the earlier package layout load with weights_only=True.
+
+    ``tests/data/flat_parameter_before_subpackages.pt`` was written by the package as it was
+    before its modules moved into sub-packages: ``torch.save({"flat": storage["0"], "sd":
+    storage.flat_state_dict()})`` of ``nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))`` after
+    ``torch.manual_seed(0)``. Its pickle names ``flatten_parametrize._flat_parameter``.
+    """
+    path = Path(__file__).parent / "data" / "flat_parameter_before_subpackages.pt"
+    loaded = torch.load(path, weights_only=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = loaded["flat"]
+    assert type(flat) is FlatParameter
+    assert torch.equal(flat.detach(), expected)
+    assert flat.metadata()[0] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    register_flat_storage(model)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    model.load_state_dict(loaded["sd"])
+    assert torch.equal(model.flat_param_0.detach(), expected)
+
+
+def test_new_pickles_name_the_stable_path():
+    """torch.save of a flat parameter names ``flatten_parametrize._flat_parameter``, the path kept stable."""
+    buffer = io.BytesIO()
+    torch.save(register_flat_storage(nn.Linear(2, 2))["0"], buffer)
+    assert b"flatten_parametrize._flat_parameter" in buffer.getvalue()
+    assert b"flatten_parametrize._core" not in buffer.getvalue()

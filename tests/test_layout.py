@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatten_parametrize._layout import plan_group, shape_numel
+from flatten_parametrize._core.layout import plan_group, shape_numel
 
 shapes = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), max_size=12)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import flatten_parametrize._offload as offload_module
+import flatten_parametrize._features.offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
 from _helpers import TiedLM, WithOwnParam, mlp, twin, values

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 from flatten_parametrize import register_flat_storage
-from flatten_parametrize._optim import flat_optim_state_dict, plain_optim_state_dict
+from flatten_parametrize._state.optim import flat_optim_state_dict, plain_optim_state_dict
 
 from _helpers import TiedLM, WithOwnParam, assert_close_state, mlp, twin
 

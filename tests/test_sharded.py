@@ -1,4 +1,4 @@
-"""ZeRO-1/2 over the flat buffers (``_sharded.py``): ``ShardedOptimizer``.
+"""ZeRO-1/2 over the flat buffers (``_distributed/sharded.py``): ``ShardedOptimizer``.
 
 Argument checks, state dicts and the world-size-1 behaviour run in this
 process with a gloo world of size 1. Training runs in spawned gloo processes
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatten_parametrize import ShardedOptimizer, _sharded, plain_optim_state_dict, register_flat_storage
+from flatten_parametrize import ShardedOptimizer, plain_optim_state_dict, register_flat_storage
+from flatten_parametrize._distributed import sharded as _sharded
 
 from _helpers import launch_gloo, launch_results, mlp, save_result, values
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ._optim import flat_optim_state_dict, plain_optim_state_dict
+from .optim import flat_optim_state_dict, plain_optim_state_dict
 
 if TYPE_CHECKING:
-    from ._records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
+    from .._core.records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
 
 __all__ = ["OptimizerAttachment", "attach_optimizer"]
 

@@ -16,9 +16,9 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from ._flat_parameter import FlatParameter
-from ._layout import GroupLayout
-from ._view_cache import GroupViews
+from .flat_parameter import FlatParameter
+from .layout import GroupLayout
+from .view_cache import GroupViews
 
 __all__ = ["Coordinator", "Group", "ModuleState", "ParamInfo", "Slot", "StagedValue"]
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ._records import Coordinator, Group, ModuleState
+from .records import Coordinator, Group, ModuleState
 
 __all__ = ["check_flat_replacement", "land_parameter", "land_direct_writes", "watch"]
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._features import Coordinator, in_flat_mode, storage_of
-from ._names import flat_param_name
-from ._records import Group
+from .._core.features import Coordinator, in_flat_mode, storage_of
+from .._core.names import flat_param_name
+from .._core.records import Group
 
 __all__ = ["DiskOffload"]
 

@@ -13,8 +13,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from ._flat_parameter import FlatParameter
-from ._names import dtype_name, flat_param_name, library_state, registered_storage
+from .._core.flat_parameter import FlatParameter
+from .._core.names import dtype_name, flat_param_name, library_state, registered_storage
 
 __all__ = ["GroupItem", "GroupSpec", "GroupsArg", "SlotSpec", "bucket_groups", "resolve_groups"]
 

@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _sharded_state
-from ._distributed import _current_node, _graph_task_id, _process_group, _queue_callback
-from ._shard import Shard, all_gather, reduce_scatter
-from ._sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
+from . import sharded_state as _sharded_state
+from .grad_sync import _current_node, _graph_task_id, _process_group, _queue_callback
+from .shard import Shard, all_gather, reduce_scatter
+from .sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
 
 if TYPE_CHECKING:
-    from ._storage import FlatStorage
+    from .._storage import FlatStorage
 
 __all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS"]
 
@@ -141,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         allow_unlisted: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        from ._storage import FlatStorage
+        from .._storage import FlatStorage
 
         if not isinstance(storage, FlatStorage):
             raise TypeError(

@@ -23,10 +23,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from ._alias import own_storage_alias
-from ._names import flat_layout_name, registered_storage
-from ._records import Coordinator, Group, ModuleState, StagedValue
-from ._writes import land_direct_writes
+from .._core.names import flat_layout_name, registered_storage
+from .._core.records import Coordinator, Group, ModuleState, StagedValue
+from .._core.writes import land_direct_writes
+from .alias import own_storage_alias
 
 __all__ = [
     "Snapshot",

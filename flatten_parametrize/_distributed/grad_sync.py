@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from ._features import Coordinator, in_flat_mode, storage_of
+from .._core.features import Coordinator, in_flat_mode, storage_of
 
 __all__ = ["GradSync"]
 

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
-from ._grad import GradBuffer, _GroupSplit
-from ._layout import GroupLayout
-from ._names import MODULE_STATE_ATTR, registered_storage
+from .grad import GradBuffer, _GroupSplit
+from .layout import GroupLayout
+from .names import MODULE_STATE_ATTR, registered_storage
 
 __all__ = [
     "CacheEntry",

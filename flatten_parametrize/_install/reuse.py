@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._flat_parameter import FlatParameter
-from ._grouping import GroupsArg, SlotSpec, bucket_groups, resolve_groups
-from ._layout import plan_group
-from ._storage import FlatStorage
-from ._wrappers import strip_prefix
+from .._core.flat_parameter import FlatParameter
+from .._core.layout import plan_group
+from .._storage import FlatStorage
+from .grouping import GroupsArg, SlotSpec, bucket_groups, resolve_groups
+from .wrappers import strip_prefix
 
 __all__ = ["check_same_layout", "plain_parameters"]
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ._layout import GroupLayout
+from .layout import GroupLayout
 
 __all__ = ["FlatGradHook", "GradBuffer", "PRESCALE_MIN_SEGMENT_BYTES"]
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._flat_parameter import FlatParameter, _as_flat_parameter
-from ._layout import GroupLayout
-from ._module_classes import METHODS, add_property, make_class
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
-from ._parametrize_interop import HiddenParametrizations, register_view
-from ._records import Coordinator, Group, ModuleState, Slot
-from ._transaction import Transaction
-from ._view_cache import end_trace_split, same_memory, trace_split
+from .._core.flat_parameter import FlatParameter, _as_flat_parameter
+from .._core.layout import GroupLayout
+from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
+from .._core.parametrize_interop import HiddenParametrizations, register_view
+from .._core.records import Coordinator, Group, ModuleState, Slot
+from .._core.transaction import Transaction
+from .._core.view_cache import end_trace_split, same_memory, trace_split
+from .module_classes import METHODS, add_property, make_class
 
 __all__ = [
     "flatten_module",

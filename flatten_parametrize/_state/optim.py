@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import Tensor
 
-from ._names import flat_param_name
+from .._core.names import flat_param_name
 
 if TYPE_CHECKING:
-    from ._records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
-    from ._records import ParamInfo
+    from .._core.records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
+    from .._core.records import ParamInfo
 
 __all__ = ["flat_optim_state_dict", "plain_optim_state_dict"]
 

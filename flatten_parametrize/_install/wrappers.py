@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ._grouping import GroupSpec, SlotSpec
-from ._names import STORAGE_ATTR
+from .._core.names import STORAGE_ATTR
+from .grouping import GroupSpec, SlotSpec
 
 __all__ = ["registration_target", "strip_prefix"]
 

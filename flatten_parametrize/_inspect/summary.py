@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import html
 
-from ._names import alias_label, dtype_name
-from ._records import Coordinator
+from .._core.names import alias_label, dtype_name
+from .._core.records import Coordinator
 
 __all__ = ["storage_repr", "summary_table", "storage_html", "format_bytes", "header"]
 

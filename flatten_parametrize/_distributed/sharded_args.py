@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from ._storage import FlatStorage
+    from .._storage import FlatStorage
 
 __all__ = ["ALLOWED_OPTIMIZERS", "check_class", "hyperparameters", "param_groups"]
 

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._optim import _check_state_dict
-from ._shard import Shard, all_gather, copy_value, elementwise
-from ._sharded_args import hyperparameters
+from .._state.optim import _check_state_dict
+from .shard import Shard, all_gather, copy_value, elementwise
+from .sharded_args import hyperparameters
 
 
 class ShardedOptimizer(Protocol):

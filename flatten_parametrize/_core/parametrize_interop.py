@@ -18,7 +18,7 @@ from typing import Any, Callable, cast
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import ParametrizationList
 
-from ._view_cache import GroupViews
+from .view_cache import GroupViews
 
 __all__ = ["FlatView", "FlatViewList", "HiddenParametrizations", "register_view"]
 

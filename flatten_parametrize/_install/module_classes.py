@@ -17,11 +17,11 @@ from typing import Any, Callable
 from torch import nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from ._names import MODULE_STATE_ATTR, registered_storage
-from ._pickling import copy_alone, reduce_flattened
-from ._records import ModuleState
-from ._state_dict import alias_unflattened, load_module, save_module
-from ._view_cache import make_property
+from .._core.names import MODULE_STATE_ATTR, registered_storage
+from .._core.records import ModuleState
+from .._core.view_cache import make_property
+from .._state.state_dict import alias_unflattened, load_module, save_module
+from .pickling import copy_alone, reduce_flattened
 
 __all__ = ["METHODS", "make_class", "base_of", "clone_class", "add_property"]
 

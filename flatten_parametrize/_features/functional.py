@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from ._features import Coordinator, storage_of
-from ._per_group import per_group
+from .._core.features import Coordinator, storage_of
+from .._core.per_group import per_group
 
 __all__ = ["Functional", "StackedTensors"]
 

@@ -31,11 +31,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ._flat_parameter import FlatParameter
-from ._layout import shape_numel
-from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, registered_storage
-from ._parametrize_interop import FlatViewList, HiddenParametrizations
-from ._records import Coordinator, ModuleState, Slot
+from .._core.flat_parameter import FlatParameter
+from .._core.layout import shape_numel
+from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, registered_storage
+from .._core.parametrize_interop import FlatViewList, HiddenParametrizations
+from .._core.records import Coordinator, ModuleState, Slot
 
 __all__ = ["StorageRecord", "copy_alone", "reduce_flattened"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._inspect import header
-from ._names import alias_label, dtype_name
-from ._records import Coordinator
+from .._core.names import alias_label, dtype_name
+from .._core.records import Coordinator
+from .summary import header
 
 __all__ = ["plot_layout"]
 

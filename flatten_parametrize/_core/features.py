@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from ._records import Coordinator
+from .records import Coordinator
 
 __all__ = ["Coordinator", "Feature", "in_flat_mode", "storage_of"]
 

@@ -1,0 +1,8 @@
+"""The foundation: layout, records and protocols, the hot path and the write paths.
+
+Nothing here imports another sub-package. ``records.Coordinator`` is the
+protocol the rest of the library sees of a storage's private core;
+``features.Feature`` and ``grad.FlatGradHook`` are the seams features plug
+into; ``view_cache`` serves every flattened attribute; ``writes`` lands values
+written around the views.
+"""

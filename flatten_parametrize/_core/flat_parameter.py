@@ -1,0 +1,195 @@
+"""``FlatParameter``: the ``nn.Parameter`` that owns one group's flat buffer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParameter"]
+
+
+class FlatParameter(nn.Parameter):
+    """A one-dimensional ``nn.Parameter`` that stores several tensors back to back.
+
+    One is created per group by :func:`~flatten_parametrize.register_flat_storage`
+    and registered on the module as ``flat_param_<group>``. It carries the
+    layout of its group, so it keeps meaning after ``torch.save`` /
+    ``pickle`` and ``copy.deepcopy``.
+
+    Args:
+        data: the one-dimensional buffer.
+        requires_grad: whether the parameter requires a gradient. Default: ``True``.
+        names: qualified name of each tensor stored in the buffer.
+        shapes: shape of each tensor.
+        numels: element count of each tensor.
+        offsets: element offset of each tensor; packed back to back when omitted.
+
+    Raises:
+        ValueError: if ``data`` is not one-dimensional or the layout does not
+            fit in it.
+
+    Example:
+        >>> flat = FlatParameter(torch.zeros(5), names=["w", "b"],
+        ...                      shapes=[(2, 2), (1,)], numels=[4, 1])
+        >>> flat.metadata()
+        (['w', 'b'], [torch.Size([2, 2]), torch.Size([1])], [4, 1])
+    """
+
+    _names: tuple[str, ...]
+    _shapes: tuple[torch.Size, ...]
+    _numels: tuple[int, ...]
+    _offsets: tuple[int, ...]
+
+    def __new__(
+        cls,
+        data: torch.Tensor | None = None,
+        requires_grad: bool = True,
+        *,
+        names: Sequence[str] = (),
+        shapes: Sequence[Sequence[int]] = (),
+        numels: Sequence[int] = (),
+        offsets: Sequence[int] | None = None,
+    ) -> FlatParameter:
+        if data is None:
+            data = torch.empty(0)
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"FlatParameter data must be a Tensor; got {type(data).__name__}")
+        if isinstance(data, nn.Parameter):
+            data = data.detach()
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self._set_layout(names, shapes, numels, offsets)
+        return self
+
+    def _set_layout(
+        self,
+        names: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        numels: Sequence[int],
+        offsets: Sequence[int] | None,
+    ) -> None:
+        names, numels = tuple(names), tuple(int(n) for n in numels)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"FlatParameter names must be str; got {list(names)!r}")
+        sizes = tuple(torch.Size(s) for s in shapes)
+        if offsets is None:
+            starts, cursor = [], 0
+            for n in numels:
+                starts.append(cursor)
+                cursor += n
+            offsets = starts
+        offsets = tuple(int(o) for o in offsets)
+        if not len(names) == len(sizes) == len(numels) == len(offsets):
+            raise ValueError(
+                "FlatParameter layout needs one name, shape, numel and offset per tensor; "
+                f"got {len(names)} names, {len(sizes)} shapes, {len(numels)} numels, "
+                f"{len(offsets)} offsets"
+            )
+        for name, size, numel in zip(names, sizes, numels):
+            if size.numel() != numel:
+                raise ValueError(
+                    f"FlatParameter layout: '{name}' has shape {tuple(size)} ({size.numel()} "
+                    f"elements) but numel {numel}; give numels that match the shapes"
+                )
+        if self.dim() != 1:
+            raise ValueError(f"FlatParameter data must be one-dimensional; got shape {tuple(self.shape)}")
+        end = max((o + n for o, n in zip(offsets, numels)), default=0)
+        if end > self.numel():
+            raise ValueError(f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}")
+        self._names, self._shapes, self._numels, self._offsets = names, sizes, numels, offsets
+
+    def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
+        """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.
+
+        The same triple as fairscale's ``FlatParameter.metadata()``.
+
+        Returns:
+            Three lists, one entry per stored tensor, in buffer order.
+
+        Example:
+            >>> flat = FlatParameter(torch.zeros(3), names=["a"], shapes=[(3,)], numels=[3])
+            >>> names, shapes, numels = flat.metadata()
+            >>> names, numels
+            (['a'], [3])
+        """
+        return list(self._names), list(self._shapes), list(self._numels)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Return the element offset of each stored tensor."""
+        return list(self._offsets)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"FlatParameter({len(self._names)} tensors) containing:\n" + torch.Tensor.__repr__(self)
+
+    def __reduce_ex__(self, proto: Any) -> tuple[Any, ...]:
+        return (
+            rebuild_flat_parameter,
+            (
+                self.data,
+                self.requires_grad,
+                self._names,
+                tuple(tuple(s) for s in self._shapes),
+                self._numels,
+                self._offsets,
+            ),
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        result = FlatParameter(
+            self.data.clone(memory_format=torch.preserve_format),
+            self.requires_grad,
+            names=self._names,
+            shapes=self._shapes,
+            numels=self._numels,
+            offsets=self._offsets,
+        )
+        memo[id(self)] = result
+        return result
+
+
+def rebuild_flat_parameter(
+    data: torch.Tensor,
+    requires_grad: bool,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    offsets: Sequence[int],
+) -> FlatParameter:
+    return FlatParameter(data, requires_grad, names=names, shapes=shapes, numels=numels, offsets=offsets)
+
+
+def _as_flat_parameter(
+    tensor: torch.Tensor,
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    offsets: Sequence[int],
+) -> FlatParameter:
+    """Turn ``tensor`` (a parameter that took a flat parameter's place) into one, in place."""
+    if type(tensor) is not FlatParameter:
+        tensor.__class__ = FlatParameter
+    flat: FlatParameter = tensor  # type: ignore[assignment]
+    flat._set_layout(names, shapes, numels, offsets)
+    return flat
+
+
+#: Where pickles find the rebuild function: the top-level ``flatten_parametrize._flat_parameter``,
+#: the path that checkpoints written before the package had sub-packages refer to, kept stable
+#: so that a later move of this module cannot break a checkpoint (pickle checks that the path
+#: leads back to this very function).
+STABLE_MODULE = "flatten_parametrize._flat_parameter"
+rebuild_flat_parameter.__module__ = STABLE_MODULE
+rebuild_flat_parameter.__qualname__ = rebuild_flat_parameter.__name__ = "_rebuild_flat_parameter"
+# ``torch.load(weights_only=True)`` accepts the class and the rebuild function by those paths.
+torch.serialization.add_safe_globals(
+    [
+        (FlatParameter, f"{FlatParameter.__module__}.FlatParameter"),
+        (FlatParameter, f"{STABLE_MODULE}.FlatParameter"),
+        (rebuild_flat_parameter, f"{STABLE_MODULE}._rebuild_flat_parameter"),
+    ]
+)
