@@ -11,11 +11,13 @@ from ._core.flat_parameter import FlatParameter
 from ._core.layout import plan_group
 from ._core.names import registered_storage
 from ._core.records import Slot
+from ._install.coordinator import StorageCore
 from ._install.grouping import GroupsArg, bucket_groups, resolve_groups
+from ._install.lifecycle import install_storage, remove_storage
 from ._install.reuse import check_same_layout
 from ._install.surgery import zero_padding
 from ._install.wrappers import registration_target, strip_prefix
-from ._storage import FlatStorage, install_storage, remove_storage
+from ._storage import FlatStorage, facade_of
 
 __all__ = ["register_flat_storage", "get_flat_storage", "remove_flat_storage"]
 
@@ -132,7 +134,7 @@ def register_flat_storage(
     existing = registered_storage(target) if exist_ok else None
     if existing is not None:
         check_same_layout(existing, module, prefix, groups, align, bucket_cap_mb)
-        return existing
+        return facade_of(existing)
     specs = strip_prefix(resolve_groups(module, groups, target=target, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
         specs = bucket_groups(target, specs, bucket_cap_mb)
@@ -159,9 +161,17 @@ def register_flat_storage(
         )
         layouts.append(layout)
         slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
-    storage = FlatStorage(target, [s.name for s in specs], flats, layouts, slots)
-    install_storage(storage)
-    return storage
+    core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
+    install_storage(core)
+    return facade_of(core)
+
+
+def registered_core(module: nn.Module) -> StorageCore | None:
+    """Return the core of the storage registered on ``module`` (or on the model it wraps), or ``None``."""
+    core: StorageCore | None = registered_storage(module)
+    if core is None:
+        core = registered_storage(registration_target(module)[0])
+    return core
 
 
 def get_flat_storage(module: nn.Module) -> FlatStorage | None:
@@ -178,10 +188,8 @@ def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"get_flat_storage needs an nn.Module; got {type(module).__name__}")
-    storage = registered_storage(module)
-    if storage is None:
-        storage = registered_storage(registration_target(module)[0])
-    return storage
+    core = registered_core(module)
+    return None if core is None else facade_of(core)
 
 
 def remove_flat_storage(module: nn.Module) -> None:
@@ -212,10 +220,10 @@ def remove_flat_storage(module: nn.Module) -> None:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"remove_flat_storage needs an nn.Module; got {type(module).__name__}")
-    storage = get_flat_storage(module)
-    if storage is None:
+    core = registered_core(module)
+    if core is None:
         raise ValueError(
             f"{type(module).__name__} has no flat storage to remove; pass the module "
             "given to register_flat_storage"
         )
-    remove_storage(storage)
+    remove_storage(core)

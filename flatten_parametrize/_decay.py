@@ -10,8 +10,8 @@ from typing import Union
 import torch
 from torch import nn
 
-from ._api import get_flat_storage
-from ._install.grouping import _collect_names
+from ._api import registered_core
+from ._install.grouping import collect_names
 from ._install.reuse import plain_parameters
 from ._install.wrappers import registration_target
 
@@ -119,11 +119,11 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
     if not isinstance(module, nn.Module):
         raise TypeError(f"weight_decay_groups needs an nn.Module; got {type(module).__name__}")
     rule = _rule(module, no_decay)
-    storage = get_flat_storage(module)
-    if storage is None:
-        plain = list(_collect_names(module).values())
+    core = registered_core(module)
+    if core is None:
+        plain = list(collect_names(module).values())
     else:
-        plain = plain_parameters(storage, registration_target(module)[1])
+        plain = plain_parameters(core, registration_target(module)[1])
     sides: dict[str, dict[tuple[torch.device, torch.dtype, bool], list[nn.Parameter]]] = {
         DECAY_GROUP: {},
         NO_DECAY_GROUP: {},

@@ -1,62 +1,43 @@
-"""``FlatStorage``: the coordinator that owns the flat buffers of one module.
+"""``FlatStorage``: the object users hold, a facade over the private coordinator core.
 
-It holds the state (group records, slot records, mode) and composes its
-features (``GradSync``, ``DiskOffload``, ``Functional``; see ``_features.py``);
-the changes to the module tree are done by ``_surgery.py``, state-dict work by
-``_state_dict.py``, inspection by ``_inspect.py`` and ``_plot.py``. Those
-modules read the coordinator through its internal read API
-(:meth:`FlatStorage.groups`, :meth:`FlatStorage.slots`) and never import it.
+Its public names are exactly the user API of the product contract (the
+"Public surface" list, checked by ``tests/test_structure.py``); each
+delegates to the :class:`~._install.coordinator.StorageCore` behind it, or to
+a feature composed on that core (gradient sync, disk backing, ensembles),
+which the facade creates on first use. The library itself never calls the
+facade: the injected classes, the view cache, surgery and features see the
+core. :func:`facade_of` gives the one facade of a core.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
-import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from torch import Tensor, nn
 
-from ._core.features import Feature, in_flat_mode
+from ._core.features import Feature
 from ._core.flat_parameter import FlatParameter
-from ._core.layout import GroupLayout
-from ._core.names import (
-    MODULE_STATE_ATTR,
-    UNFLATTENED,
-    flat_layout_name,
-    flat_param_name,
-    library_state,
-    registered_storage,
-)
-from ._core.per_group import per_group
-from ._core.records import Group, ModuleState, ParamInfo, Slot, StagedValue
-from ._core.transaction import Transaction, atomically
-from ._core.view_cache import GroupViews, same_memory
-from ._core.writes import check_flat_replacement, land_direct_writes, land_parameter, watch
+from ._core.records import ParamInfo
 from ._distributed.grad_sync import GradSync
 from ._features.functional import Functional, StackedTensors
 from ._features.offload import DiskOffload
 from ._inspect.plot import plot_layout
 from ._inspect.summary import storage_html, storage_repr, summary_table
-from ._install import surgery
-from ._install.module_classes import clone_class
+from ._install.coordinator import FlatTensors, StorageCore
 from ._state.attach_optim import OptimizerAttachment, attach_optimizer
-from ._state.state_dict import Snapshot, commit_staged, layout_record
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["FlatStorage", "ParamInfo", "FlatTensors", "install_storage", "remove_storage"]
+__all__ = ["FlatStorage", "FlatTensors", "ParamInfo", "facade_of"]
 
-#: One tensor per group: a list in group order, a dict by group name, or (for a
-#: storage with one group) a single tensor.
-FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
+F = TypeVar("F", bound=Feature)
 
 
 class FlatStorage:
@@ -65,6 +46,8 @@ class FlatStorage:
     It owns one :class:`FlatParameter` per group (registered on the module as
     ``flat_param_<group>``), serves every flattened attribute as a view of it,
     and switches between flat and unflattened mode. It holds the module weakly.
+    Get it with ``register_flat_storage`` or ``get_flat_storage``; it is not
+    constructed directly.
 
     Example:
         >>> import torch
@@ -78,42 +61,36 @@ class FlatStorage:
         ['flat_param_0']
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        group_names: Sequence[str],
-        flats: Sequence[FlatParameter],
-        layouts: Sequence[GroupLayout],
-        slots: Sequence[Slot],
-    ) -> None:
-        self._root_ref = weakref.ref(module)
-        self._slots = tuple(slots)
-        groups = []
-        for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
-            flat_name = flat_param_name(name)
-            members = tuple(slot for slot in self._slots if slot.group_index == index)
-            views = GroupViews(module._parameters, flat_name, layout, tuple(slot.name for slot in members))
-            groups.append(Group(index, name, flat_name, layout, views, flat, members))
-        self._groups = tuple(groups)
-        self._flattened = True
-        #: Depth of nested ``using()`` blocks.
-        self._using_depth = 0
-        #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
-        self._pending: list[StagedValue] | None = None
-        #: The modules this storage changed, with their state (recorded at registration).
-        self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
-        self._grad_sync = GradSync(self)
-        self._disk = DiskOffload(self)
-        self._functional = Functional(self)
-        #: Features added after registration (``add_feature``).
-        self._added: list[Feature] = []
+    __slots__ = ("__weakref__", "_core")
+    _core: StorageCore
 
-    @property
-    def _features(self) -> tuple[Feature, ...]:
-        """Every feature, in the order the lifecycle notifies them."""
-        return (self._disk, self._grad_sync, self._functional, *self._added)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "FlatStorage is not constructed directly; call register_flat_storage(module) "
+            "(or get_flat_storage(module) for the storage already registered)"
+        )
 
-    # ------------------------------------------------------------------ basics
+    def _feature(self, kind: type[F]) -> F:
+        """Return the feature of type ``kind`` on the core, composing a new one on first use."""
+        core = self._core
+        feature = core.feature(kind)
+        if feature is None:
+            feature = kind(core)  # type: ignore[call-arg]
+            core.add_feature(feature)
+        return feature
+
+    def __getstate__(self) -> None:
+        # The registered module pickles itself with a record of its storage (``_install/pickling.py``).
+        raise RuntimeError(
+            "a FlatStorage cannot be pickled on its own; pickle the registered module "
+            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
+        # The storage of the copied module: copying the module copies its core (``_install/copying.py``).
+        copy.deepcopy(self._core.module_unchecked, memo)
+        return facade_of(memo[id(self._core)])
+
     @property
     def module(self) -> nn.Module:
         """Return the registered module.
@@ -121,45 +98,17 @@ class FlatStorage:
         Raises:
             RuntimeError: if the module was garbage collected or the storage removed.
         """
-        module = self._root_ref()
-        if module is None or registered_storage(module) is not self:
-            raise RuntimeError(
-                "this flat storage is detached: its module was garbage collected or "
-                "remove_flat_storage was called; use get_flat_storage(module) for the current one"
-            )
-        return module
+        return self._core.module
 
     @property
     def flat_params(self) -> list[FlatParameter]:
         """Return the flat parameters, one per group, in group order."""
-        self.sync_writes()
-        return [group.flat for group in self._groups]
+        return self._core.flat_params
 
     @property
     def group_names(self) -> list[str]:
         """Return the group names, in group order."""
-        return [group.name for group in self._groups]
-
-    # --------------------------------------------------- internal read API
-    def groups(self) -> tuple[Group, ...]:
-        """Return the record of each group, in group order (internal read API of the library)."""
-        return self._groups
-
-    def slots(self) -> tuple[Slot, ...]:
-        """Return the record of each flattened slot, in group and layout order (internal read API)."""
-        return self._slots
-
-    def grad_sync(self) -> GradSync:
-        """Return the data-parallel feature: ``state`` (``None``: sync off), ``no_sync_depth`` (internal)."""
-        return self._grad_sync
-
-    def add_feature(self, feature: Feature) -> None:
-        """Have the coordinator drive ``feature``'s lifecycle (internal: see ``_features.py``)."""
-        self._added.append(feature)
-
-    def remove_feature(self, feature: Feature) -> None:
-        """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
-        self._added = [f for f in self._added if f is not feature]
+        return self._core.group_names
 
     def __getitem__(self, group: str) -> FlatParameter:
         """Return the flat parameter of ``group``.
@@ -168,55 +117,20 @@ class FlatStorage:
             TypeError: if ``group`` is not a str.
             KeyError: if there is no such group.
         """
-        if not isinstance(group, str):
-            raise TypeError(
-                f"flat storage groups are named by str; got {type(group).__name__} {group!r}; "
-                f"groups are {self.group_names}"
-            )
-        for record in self._groups:
-            if record.name == group:
-                self.sync_writes()
-                return self._groups[record.index].flat
-        raise KeyError(f"no group {group!r} in this flat storage; groups are {self.group_names}")
+        return self._core.flat_of(group)
 
     def __len__(self) -> int:
-        return len(self._groups)
+        return len(self._core.groups())
 
     @property
     def param_infos(self) -> list[ParamInfo]:
         """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
-        return [
-            ParamInfo(
-                name=slot.name,
-                aliases=slot.aliases,
-                group=group.name,
-                offset=group.layout.offsets[slot.index],
-                numel=group.layout.numels[slot.index],
-                shape=torch.Size(group.layout.shapes[slot.index]),
-                dtype=group.flat.dtype,
-            )
-            for group in self._groups
-            for slot in group.members
-        ]
+        return self._core.param_infos
 
     @property
     def is_flattened(self) -> bool:
         """Return whether the module is in flat mode (attributes are views)."""
-        return self._flattened
-
-    # ------------------------------------------------------------------- views
-    def _live(self, slot: Slot, modules: dict[str, nn.Module], remove_duplicate: bool) -> tuple[str, ...]:
-        names = surgery.live_names(self, slot, modules)
-        return names[:1] if remove_duplicate else names
-
-    def live_names(self) -> set[str]:
-        """Return every flattened name whose module is still where registration found it.
-
-        A submodule replaced or deleted after registration leaves its names dead
-        (internal read API: state dicts and inspection use it).
-        """
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        return {name for slot in self._slots for name in surgery.live_names(self, slot, modules)}
+        return self._core.is_flattened
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(name, tensor)`` for every flattened parameter, as the module serves it.
@@ -237,12 +151,7 @@ class FlatStorage:
             >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
             [('weight', (3, 2)), ('bias', (3,))]
         """
-        self.sync_writes()
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        for slot in self._slots:
-            for name in self._live(slot, modules, remove_duplicate):
-                owner, attr = surgery.locate(modules, name)
-                yield name, getattr(owner, attr)
+        return self._core.named_views(remove_duplicate)
 
     def named_grads(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor | None]]:
         """Yield ``(name, gradient)`` for every flattened parameter.
@@ -261,34 +170,7 @@ class FlatStorage:
             >>> dict(storage.named_grads())["bias"]
             tensor([1.])
         """
-        if not self._flattened:
-            for name, param in self.named_views(remove_duplicate):
-                yield name, param.grad
-            return
-        self.sync_writes()
-        grads = [group.grad_views() for group in self._groups]
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        for slot in self._slots:
-            split = grads[slot.group_index]
-            for name in self._live(slot, modules, remove_duplicate):
-                yield name, None if split is None else split[slot.index]
-
-    def _per_group(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
-        groups = self.group_names
-        items = per_group(tensors, groups, what, "tensor", "flat-shaped tensor")
-        for group, item, flat in zip(groups, items, self.flat_params):
-            if item.shape != flat.shape:
-                raise ValueError(
-                    f"{what}: group '{group}' needs a one-dimensional tensor of "
-                    f"{flat.numel()} elements; got shape {tuple(item.shape)}"
-                )
-            if exact and (item.dtype != flat.dtype or item.device != flat.device):
-                raise ValueError(
-                    f"{what}: group '{group}' needs a {flat.dtype} tensor on {flat.device}; "
-                    f"got {item.dtype} on {item.device}; convert it with "
-                    f".to(device={str(flat.device)!r}, dtype={flat.dtype})"
-                )
-        return items
+        return self._core.named_grads(remove_duplicate)
 
     def views_of(self, tensors: FlatTensors, remove_duplicate: bool = True) -> dict[str, Tensor]:
         """Return ``{name: view}`` over tensors shaped like the flat parameters.
@@ -319,16 +201,8 @@ class FlatStorage:
             >>> {k: tuple(v.shape) for k, v in storage.views_of([ema]).items()}
             {'weight': (3, 2), 'bias': (3,)}
         """
-        items = self._per_group(tensors, "views_of()", exact=False)
-        splits = [group.split(t) for group, t in zip(self._groups, items)]
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        return {
-            name: splits[slot.group_index][slot.index]
-            for slot in self._slots
-            for name in self._live(slot, modules, remove_duplicate)
-        }
+        return self._core.views_of(tensors, remove_duplicate)
 
-    # ------------------------------------------------------------ mode toggles
     def flatten(self) -> None:
         """Switch to flat mode: attributes become views of the flat buffers again.
 
@@ -350,16 +224,7 @@ class FlatStorage:
             >>> storage.is_flattened
             True
         """
-        if not self._flattened:
-            atomically(self._flatten)
-
-    def _flatten(self, tx: Transaction) -> None:
-        """Flatten as part of ``tx`` (a no-op in flat mode)."""
-        if self._flattened:
-            return
-        surgery.flatten_module(self, tx)
-        tx.set_attr(self, "_flattened", True)
-        surgery.refresh_originals(self._groups, self._slots, tx)
+        self._core.flatten()
 
     def unflatten(self) -> None:
         """Switch to unflattened mode: every attribute is a real leaf ``nn.Parameter``.
@@ -381,20 +246,7 @@ class FlatStorage:
             >>> [name for name, _ in layer.named_parameters()]
             ['weight', 'bias']
         """
-        if not self._flattened:
-            return
-        if self._using_depth:
-            raise RuntimeError(
-                "cannot unflatten inside storage.using(...): the views are served from the "
-                "given tensors; leave the using() block first"
-            )
-        self.sync_writes()
-        atomically(self._unflatten)
-        self._invalidate()
-
-    def _unflatten(self, tx: Transaction) -> None:
-        surgery.unflatten_module(self, tx)
-        tx.set_attr(self, "_flattened", False)
+        self._core.unflatten()
 
     @contextmanager
     def unflattened(self) -> Iterator[FlatStorage]:
@@ -412,13 +264,8 @@ class FlatStorage:
             >>> isinstance(layer.weight, nn.Parameter)
             False
         """
-        was_flat = self._flattened
-        self.unflatten()
-        try:
+        with self._core.unflattened():
             yield self
-        finally:
-            if was_flat:
-                self.flatten()
 
     @contextmanager
     def using(self, flat_tensors: FlatTensors) -> Iterator[FlatStorage]:
@@ -449,242 +296,9 @@ class FlatStorage:
             ...     layer(torch.ones(1, 2))
             tensor([[0.]])
         """
-        if not self._flattened:
-            raise RuntimeError(
-                "storage.using(...) needs flat mode; it was called in unflattened mode "
-                "(inside unflattened() or after unflatten()); call flatten() first"
-            )
-        items = [t.contiguous() for t in self._per_group(flat_tensors, "using()", exact=True)]
-        params: dict[str, Any] = self.module._parameters
-        flat_names = [group.flat_name for group in self._groups]
-        saved = [params[name] for name in flat_names]
-        for name, tensor in zip(flat_names, items):
-            params[name] = tensor
-        self._using_depth += 1
-        try:
+        with self._core.using(flat_tensors):
             yield self
-        finally:
-            for name, tensor in zip(flat_names, saved):
-                params[name] = tensor
-            self._using_depth -= 1
-            self._invalidate()
 
-    # ------------------------------------------------------------- internals
-    def _invalidate(self) -> None:
-        surgery.invalidate(self._groups)
-
-    # ------------------------------------------------------------ write paths
-    def members(self) -> list[tuple[nn.Module, ModuleState]]:
-        """Return every module this storage changed (still alive), with its state (internal read API).
-
-        Recorded at registration; in unflattened mode the modules other than the
-        registered one are plain (original class, no library state in ``__dict__``).
-        """
-        if self._owners is None:
-            self._owners = [
-                (weakref.ref(module), state)
-                for module in {id(m): m for m in self.module_unchecked.modules()}.values()
-                if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
-                and state.storage is self
-            ]
-        return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
-
-    def state_of(self, module: nn.Module) -> ModuleState | None:
-        """Return the library's state of ``module`` if this storage changed it, in either mode."""
-        state = library_state(module)
-        return state if isinstance(state, ModuleState) and state.storage is self else None
-
-    def sync_writes(self) -> None:
-        """Land the writes made around the views since the last call, or refuse them.
-
-        A replaced flat parameter (``module.flat_param_0 = p``,
-        ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
-        into a flattened module's ``_parameters`` and tensors assigned to a
-        view's ``.data`` are copied into their slots (see ``_writes.py``).
-        Internal: the registered module's forward, state dicts, toggles,
-        loading and removal call it. Does nothing in unflattened mode.
-
-        Raises:
-            RuntimeError: for a write that cannot land (it is undone).
-        """
-        root = self._root_ref()
-        if root is None or registered_storage(root) is not self:
-            return  # detached
-        if not self._flattened or self._pending is not None:
-            return
-        if not self._using_depth:
-            params = root._parameters
-            replaced: list[tuple[Group, Any]] = []
-            for group in self._groups:
-                current = params.get(group.flat_name)
-                # A plain tensor there is functional_call's substitute; a tensor subclass is
-                # another engine's (FSDP2 registers DTensor parameters): both are left alone.
-                adoptable = (nn.Parameter, FlatParameter)
-                substitute = isinstance(current, Tensor) and type(current) not in adoptable
-                if current is group.flat or substitute:
-                    continue
-                try:
-                    check_flat_replacement(group, current)
-                except RuntimeError:
-                    params[group.flat_name] = group.flat  # refused: the flat parameter is back
-                    raise
-                replaced.append((group, current))
-            if replaced:
-                self._adopt_replacements(replaced)
-        land_direct_writes(self.members())
-        for group in self._groups:
-            group.views.sync()
-
-    def _adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
-        """Adopt parameters registered in flat parameters' places, all or nothing.
-
-        Each becomes its group's ``FlatParameter`` (re-classed in place, with the
-        layout); on failure the old flat parameters are back and the new ones
-        keep their class.
-        """
-        classes = [type(param) for _, param in replaced]
-        try:
-            self._adopt_flat_params()
-        except BaseException:
-            params = self.module._parameters
-            for (group, param), cls in zip(replaced, classes):
-                params[group.flat_name] = group.flat
-                self._set_group(group)
-                if type(param) is not cls:
-                    param.__class__ = cls
-            surgery.refresh_originals(self._groups, self._slots)
-            raise
-
-    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
-        """Return what ``module.<attr>`` serves when its ``_parameters`` holds ``attr``.
-
-        In unflattened mode (and while a load stages values) that parameter; in
-        flat mode it was put there around the view: it lands in the slot (or is
-        refused) and the view is served. Internal: the attribute's property calls it.
-        """
-        if not self._flattened or self._pending is not None:
-            return param
-        state: ModuleState = module.__dict__[MODULE_STATE_ATTR]
-        land_parameter(module, state, attr, param)
-        views, index = state.slots[attr]
-        return views.view(index)
-
-    def register_via(
-        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
-    ) -> None:
-        """Run ``module.register_parameter(name, param)`` (``base``) on a module this storage changed.
-
-        A flat parameter's name adopts ``param`` as the group's flat parameter;
-        a flattened attribute's name (flat mode) copies the values into its
-        slot; anything else is torch's. Internal: the injected class calls it.
-
-        Raises:
-            RuntimeError: if ``param`` cannot take that place (nothing changed).
-        """
-        group = next((g for g in self._groups if g.flat_name == name), None)
-        if group is not None and registered_storage(module) is self:
-            if not self._flattened or self._using_depth:
-                raise RuntimeError(
-                    f"cannot replace {name} in unflattened mode or inside using(): the flat "
-                    "parameter is not served there; call storage.flatten() (or leave using()) first"
-                )
-            check_flat_replacement(group, param)
-            base(name, param)
-            self._adopt_replacements([(group, param)])
-            return
-        state = module.__dict__.get(MODULE_STATE_ATTR)
-        if (
-            self._flattened
-            and self._pending is None
-            and isinstance(state, ModuleState)
-            and name in state.slots
-            and name not in module._parameters
-        ):
-            land_parameter(module, state, name, param)
-            return
-        base(name, param)
-
-    def flat_buffers_replaced(self) -> None:
-        """Re-point the originals and views after flat buffers were swapped; notify every feature.
-
-        The "flat buffer replaced" notification: features call it after they
-        swap a flat parameter's ``.data`` (the disk backing does), and the
-        coordinator runs it after ``module.to()`` & co. re-back or replace the
-        flat parameters.
-        """
-        surgery.refresh_originals(self._groups, self._slots)
-        for feature in self._features:
-            feature.on_rebacked()
-
-    def _adopt_flat_params(self) -> None:
-        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
-        root = self.module
-        for group in self._groups:
-            flat = surgery.rewrap_flat_param(root, group)
-            if flat is not group.flat:
-                self._set_group(dataclasses.replace(group, flat=flat))
-        for group in self._groups:
-            surgery.zero_padding(group.flat, group.layout)  # e.g. to_empty() leaves garbage there
-        self.flat_buffers_replaced()  # a converted or moved buffer left its offload file, say
-
-    def _set_group(self, group: Group) -> None:
-        groups = list(self._groups)
-        groups[group.index] = group
-        self._groups = tuple(groups)
-
-    def apply_via(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
-        """Run the module's ``_apply`` (``base``) in flat mode, then re-adopt the flat parameters.
-
-        Internal: the root module's injected ``_apply`` calls it.
-        """
-        if self._using_depth:
-            raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
-
-        def convert(tensor: Tensor) -> Any:
-            # A no-op conversion returns the FlatParameter itself, which torch cannot
-            # re-wrap in a Parameter when it replaces parameters; hand it a plain view.
-            out = fn(tensor)
-            return out.detach() if type(out) is FlatParameter else out
-
-        self.sync_writes()
-        with in_flat_mode(self):
-            try:
-                return base(convert, recurse)
-            finally:
-                self._adopt_flat_params()
-
-    def stage_loaded(self, loaded: list[StagedValue]) -> None:
-        """Take values read by a module's ``_load_from_state_dict``: staged during a load, else written.
-
-        Internal: ``_state_dict.load_module`` calls it.
-        """
-        if self._pending is not None:
-            self._pending.extend(loaded)
-        else:
-            commit_staged(self._groups, loaded)
-
-    def load_via(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
-        """Load through torch's machinery (``base``), then commit the staged slots: all or nothing.
-
-        Internal: the root module's injected ``load_state_dict`` calls it.
-        """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
-        flat_mode = self._flattened
-        self.sync_writes()
-        snapshot = Snapshot(self.module, {id(group.flat) for group in self._groups} if flat_mode else set())
-        self._pending = [] if flat_mode else None
-        try:
-            result = base(state_dict, strict=strict, assign=assign)
-            commit_staged(self._groups, self._pending or [])
-        except BaseException:
-            snapshot.restore()
-            raise
-        finally:
-            self._pending = None
-        return result
-
-    # ------------------------------------------------------------ state dicts
     def flat_state_dict(self) -> OrderedDict[str, Any]:
         """Return the module's state dict in flat form.
 
@@ -702,123 +316,10 @@ class FlatStorage:
             >>> list(storage.flat_state_dict())[:3]
             ['flat_param_0', 'flat_layout_0', '1.running_mean']
         """
-        plain = self.module.state_dict()
-        out: OrderedDict[str, Any] = OrderedDict()
-        out._metadata = getattr(plain, "_metadata", OrderedDict())  # type: ignore[attr-defined]
-        for group in self._groups:
-            out[group.flat_name] = self._current_flat(group, plain)
-            out[flat_layout_name(group.name)] = layout_record(group)
-        flattened = self.live_names()  # a replaced submodule's entries are its own, ordinary ones
-        for key, value in plain.items():
-            if key not in flattened:
-                out[key] = value
-        return out
-
-    def _current_flat(self, group: Group, plain: Mapping[str, Tensor]) -> Tensor:
-        """Return group's values as one tensor: the flat buffer, or a synced copy if unflattened
-        parameters were reassigned (without changing anything)."""
-        flat = group.flat.detach()
-        if self._flattened:
-            return flat
-        targets = group.split(flat)
-        live = self.live_names()
-        stale = [
-            s for s in group.members if s.name in live and not same_memory(plain[s.name], targets[s.index])
-        ]
-        if not stale:
-            return flat
-        with torch.no_grad():
-            synced = flat.clone()
-            synced_targets = group.split(synced)
-            for slot in stale:
-                synced_targets[slot.index].copy_(plain[slot.name])
-        return synced
-
-    @property
-    def module_unchecked(self) -> nn.Module:
-        """Return the registered module, also while registration is still under way."""
-        module = self._root_ref()
-        if module is None:
-            raise RuntimeError("the module of this flat storage was garbage collected")
-        return module
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
-        new = FlatStorage.__new__(FlatStorage)
-        memo[id(self)] = new
-        root = self._root_ref()
-        new_root: nn.Module | None = memo.get(id(root), root)
-        new._root_ref = weakref.ref(new_root) if new_root is not None else self._root_ref
-        views = [copy.deepcopy(group.views, memo) for group in self._groups]
-        flats = [copy.deepcopy(group.flat, memo) for group in self._groups]
-        new._slots = tuple(
-            Slot(
-                s.name,
-                s.aliases,
-                s.group_index,
-                s.index,
-                memo[id(s.param)] if id(s.param) in memo else _placeholder(s.param),
-            )
-            for s in self._slots
-        )
-        new._groups = tuple(
-            dataclasses.replace(
-                group,
-                views=views[group.index],
-                flat=flats[group.index],
-                members=tuple(slot for slot in new._slots if slot.group_index == group.index),
-            )
-            for group in self._groups
-        )
-        new._flattened = self._flattened
-        new._using_depth = 0
-        new._pending = None
-        new._owners = []
-        for module, state in self.members():
-            if id(module) in memo:
-                state_copy = copy.deepcopy(state, memo)
-                if state_copy.injected is not None and state_copy.injected is state.injected:
-                    state_copy.injected = clone_class(state.injected)  # never share a class with the original
-                if module in UNFLATTENED:
-                    UNFLATTENED[memo[id(module)]] = state_copy
-                new._owners.append((weakref.ref(memo[id(module)]), state_copy))
-        new._grad_sync = self._grad_sync.copy_for(new, memo)
-        new._disk = self._disk.copy_for(new, memo)
-        new._functional = self._functional.copy_for(new, memo)
-        new._added = [c for f in self._added if (c := f.copy_for(new, memo)) is not None]
-        return new
-
-    @staticmethod
-    def restore_pickled(root: nn.Module, state: tuple[dict[str, Any], Any]) -> None:
-        """Give an unpickled registered module its state, then register its storage again.
-
-        ``state`` is the module's cleaned ``__dict__`` (its slots already
-        parameters viewing the loaded flat parameters) and the
-        ``_pickling.StorageRecord`` of its storage. Internal: the unpickler calls
-        it (see ``_pickling.py``).
-        """
-        own, record = state
-        root.__setstate__(own)
-        modules = dict(root.named_modules(remove_duplicate=False))
-        slots = []
-        for name, aliases, group_index, index in record.slots:
-            owner, attr = surgery.locate(modules, name)
-            param = owner._parameters[attr]
-            assert param is not None
-            slots.append(Slot(name, aliases, group_index, index, param))
-        storage = FlatStorage(root, record.group_names, record.flats, record.layouts, slots)
-        install_storage(storage)
-        if not record.flattened:
-            storage.unflatten()
-
-    def __getstate__(self) -> None:
-        # The registered module pickles itself with a record of its storage (``_pickling.py``).
-        raise RuntimeError(
-            "a FlatStorage cannot be pickled on its own; pickle the registered module "
-            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
-        )
+        return self._core.flat_state_dict()
 
     def __repr__(self) -> str:
-        return storage_repr(self)
+        return storage_repr(self._core)
 
     def summary(self) -> str:
         """Return a text table of every flattened parameter: name, group, offset, numel, shape, dtype.
@@ -833,9 +334,8 @@ class FlatStorage:
             weight  0           0      6  (3, 2)  float32
             bias    0           6      3  (3,)    float32
         """
-        return summary_table(self)
+        return summary_table(self._core)
 
-    # -------------------------------------------------------------- frameworks
     def attach_optimizer(self, optimizer: Any) -> OptimizerAttachment:
         """Make ``optimizer`` save and load the plain model's per-parameter format.
 
@@ -880,7 +380,7 @@ class FlatStorage:
         return attach_optimizer(self, optimizer)
 
     def _repr_html_(self) -> str:
-        return storage_html(self)
+        return storage_html(self._core)
 
     def plot_layout(self, **kwargs: Any) -> Any:
         """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
@@ -890,9 +390,8 @@ class FlatStorage:
         Returns:
             A ``matplotlib.figure.Figure``.
         """
-        return plot_layout(self, **kwargs)
+        return plot_layout(self._core, **kwargs)
 
-    # ------------------------------------------------ data parallel (GradSync)
     def all_reduce_grads(self, group: dist.ProcessGroup | None = None, op: str = "mean") -> None:
         """All-reduce the gradient of every flat parameter across ranks, one collective per group.
 
@@ -930,7 +429,7 @@ class FlatStorage:
             >>> storage["0"].grad  # doctest: +SKIP
             tensor([1., 1., 1.])
         """
-        self._grad_sync.all_reduce(group, op)
+        self._feature(GradSync).all_reduce(group, op)
 
     def broadcast_params(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
         """Copy the flat parameters of rank ``src`` to every rank, one collective per group.
@@ -957,7 +456,7 @@ class FlatStorage:
             >>> storage = register_flat_storage(nn.Linear(2, 1))
             >>> storage.broadcast_params(src=0)  # doctest: +SKIP
         """
-        self._grad_sync.broadcast(src, group)
+        self._feature(GradSync).broadcast(src, group)
 
     def enable_grad_sync(self, group: dist.ProcessGroup | None = None) -> None:
         """Average every flat gradient across ranks during each backward, as DDP does.
@@ -1024,7 +523,7 @@ class FlatStorage:
             >>> storage.enable_grad_sync()  # doctest: +SKIP
             >>> model(torch.randn(8, 4)).pow(2).mean().backward()  # grads averaged here
         """
-        self._grad_sync.enable(group)
+        self._feature(GradSync).enable(group)
 
     def disable_grad_sync(self) -> None:
         """Stop syncing gradients in backward and remove every hook that sync added.
@@ -1038,7 +537,9 @@ class FlatStorage:
             >>> storage = register_flat_storage(nn.Linear(2, 1))
             >>> storage.disable_grad_sync()
         """
-        self._grad_sync.disable()
+        sync = self._core.feature(GradSync)
+        if sync is not None:
+            sync.disable()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1060,10 +561,9 @@ class FlatStorage:
             ...         model(x).sum().backward()
             >>> model(micro_batches[-1]).sum().backward()  # syncs the sum, if enabled
         """
-        with self._grad_sync.paused():
+        with self._feature(GradSync).paused():
             yield
 
-    # --------------------------------------------------- disk (DiskOffload)
     @property
     def is_offloaded(self) -> bool:
         """Return whether flat buffers are file-backed (by :meth:`offload_to_disk`).
@@ -1071,7 +571,8 @@ class FlatStorage:
         ``False`` again after :meth:`load_to_memory`, ``remove_flat_storage``,
         or a ``module.to()`` that converted or moved the buffers.
         """
-        return bool(self._disk.backed())
+        disk = self._core.feature(DiskOffload)
+        return disk is not None and bool(disk.backed())
 
     @property
     def offload_files(self) -> dict[str, Path]:
@@ -1080,7 +581,8 @@ class FlatStorage:
         Each file holds the raw bytes of the flat parameter (padding included)
         in native byte order. Empty when nothing is offloaded.
         """
-        return self._disk.files()
+        disk = self._core.feature(DiskOffload)
+        return {} if disk is None else disk.files()
 
     def offload_to_disk(self, directory: str | os.PathLike[str]) -> None:
         """Move the flat buffers to memory-mapped files in ``directory``, releasing their RAM.
@@ -1138,7 +640,7 @@ class FlatStorage:
             torch.Size([1, 2])
             False []
         """
-        self._disk.offload(directory)
+        self._feature(DiskOffload).offload(directory)
 
     def load_to_memory(self, keep_files: bool = False) -> None:
         """Bring offloaded flat buffers back into RAM.
@@ -1175,9 +677,8 @@ class FlatStorage:
             False [7.0, 7.0]
             tensor([7., 7.])
         """
-        self._disk.load(keep_files)
+        self._feature(DiskOffload).load(keep_files)
 
-    # -------------------------------------------------- ensembles (Functional)
     def stack(self, k: int, *, requires_grad: bool = False) -> list[Tensor]:
         """Return ``k`` copies of every flat parameter, stacked: one ``(k, numel)`` tensor per group.
 
@@ -1203,7 +704,7 @@ class FlatStorage:
             >>> [tuple(s.shape) for s in storage.stack(4)]
             [(4, 8)]
         """
-        return self._functional.stack(k, requires_grad)
+        return Functional(self._core).stack(k, requires_grad)
 
     def call_stacked(self, stacked: StackedTensors, *args: Any, **kwargs: Any) -> Any:
         """Evaluate the module once per row of ``stacked``, in one vectorized call.
@@ -1234,31 +735,14 @@ class FlatStorage:
             >>> out.shape
             torch.Size([5, 7, 2])
         """
-        return self._functional.call_stacked(stacked, args, kwargs)
+        return Functional(self._core).call_stacked(stacked, args, kwargs)
 
 
-def _placeholder(param: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
-
-
-def install_storage(storage: FlatStorage) -> None:
-    """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
-    atomically(lambda tx: surgery.install(storage, tx))
-    storage.members()  # recorded now: unflattened mode takes the state out of the modules
-    watch(storage)
-
-
-def remove_storage(storage: FlatStorage) -> None:
-    """Undo the registration of ``storage``: plain parameters with the current values (atomically)."""
-
-    storage.sync_writes()
-
-    def change(tx: Transaction) -> None:
-        storage._flatten(tx)
-        surgery.uninstall(storage, tx)
-        tx.set_attr(storage, "_flattened", False)
-
-    atomically(change)
-    storage._invalidate()
-    for feature in storage._features:
-        feature.on_removed()  # delete the offload files (values are in RAM now), remove grad-sync hooks
+def facade_of(core: StorageCore) -> FlatStorage:
+    """Return the one ``FlatStorage`` of ``core``, made on first request."""
+    facade = core.facade
+    if facade is None:
+        facade = object.__new__(FlatStorage)
+        facade._core = core
+        core.facade = facade
+    return facade

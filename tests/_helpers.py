@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from flatten_parametrize import get_flat_storage
+from flatten_parametrize._core.names import core_behind
 
 # --------------------------------------------------------------------------- models
 
@@ -71,6 +72,11 @@ class Mixed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.wide(self.bn(self.inp(x)).double()).float())
+
+
+def core_of(storage: Any) -> Any:
+    """Return the private coordinator core behind a public ``FlatStorage`` (tests of the internals)."""
+    return core_behind(storage, "core_of")
 
 
 def mlp(depth: int = 3, width: int = 5, seed: int = 0) -> nn.Sequential:

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from flatten_parametrize import register_flat_storage, remove_flat_storage
 from flatten_parametrize._distributed import grad_sync as _distributed
 
-from _helpers import launch_gloo, launch_results, mlp, save_result, values
+from _helpers import core_of, launch_gloo, launch_results, mlp, save_result, values
 
 # ------------------------------------------------------------------ launching
 
@@ -550,7 +550,7 @@ def _sync_hooks(model: nn.Module, storage) -> int:
     on_flat = sum(
         len(f._post_accumulate_grad_hooks or {}) + len(f._backward_hooks or {}) for f in storage.flat_params
     )
-    prescale = sum(len(group.views.grad_buffer.hooks) for group in storage.groups())
+    prescale = sum(len(group.views.grad_buffer.hooks) for group in core_of(storage).groups())
     forward = sum(isinstance(h, _RehookOnForward) for h in model._forward_pre_hooks.values())
     return on_flat + prescale + forward
 

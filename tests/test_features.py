@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatten_parametrize import register_flat_storage, remove_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES
 
-from _helpers import mlp
+from _helpers import core_of, mlp
 
 
 class Recorder:
@@ -37,7 +37,7 @@ def test_an_added_feature_is_told_when_flat_buffers_are_replaced(tmp_path):
     model = mlp(2)
     storage = register_flat_storage(model)
     feature = Recorder()
-    storage.add_feature(feature)
+    core_of(storage).add_feature(feature)
     model.double()
     assert feature.calls == ["rebacked"]
     storage.offload_to_disk(tmp_path)
@@ -50,9 +50,9 @@ def test_an_added_feature_is_told_when_the_storage_is_removed():
     model = mlp(2)
     storage = register_flat_storage(model)
     gone, kept = Recorder(), Recorder()
-    storage.add_feature(gone)
-    storage.add_feature(kept)
-    storage.remove_feature(gone)
+    core_of(storage).add_feature(gone)
+    core_of(storage).add_feature(kept)
+    core_of(storage).remove_feature(gone)
     remove_flat_storage(model)
     assert (gone.calls, kept.calls) == ([], ["removed"])
 
@@ -62,13 +62,13 @@ def test_a_deep_copy_gets_the_copies_its_features_make():
     model = mlp(2)
     storage = register_flat_storage(model)
     carried, dropped = Recorder(), Recorder(copies=False)
-    storage.add_feature(carried)
-    storage.add_feature(dropped)
+    core_of(storage).add_feature(carried)
+    core_of(storage).add_feature(dropped)
     clone = copy.deepcopy(model)
     assert carried.calls == dropped.calls == ["copied"]
     clone.double()
-    assert [type(f).__name__ for f in clone._flat_storage._added] == ["Recorder"]
-    assert clone._flat_storage._added[0].calls == ["rebacked"]
+    assert [type(f).__name__ for f in core_of(get_flat_storage(clone)).features] == ["Recorder"]
+    assert core_of(get_flat_storage(clone)).features[0].calls == ["rebacked"]
 
 
 class Halve:
@@ -92,7 +92,7 @@ def test_a_flat_gradient_hook_sees_each_flat_gradient_and_may_divide_it():
     plain.load_state_dict(model.state_dict())
     storage = register_flat_storage(model)
     hook = Halve()
-    [group] = storage.groups()
+    [group] = core_of(storage).groups()
     group.views.grad_buffer.add_hook(hook)
     x = torch.randn(3, width)
     model(x).sum().backward()

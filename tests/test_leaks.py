@@ -21,6 +21,8 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
+from _helpers import core_of
+
 WIDTH = 128  # 4 layers of 128x128: a flat buffer of 264 KiB, so a leaked buffer per pass shows
 FORWARDS = 2000
 TOGGLES = 500
@@ -73,7 +75,7 @@ def _hooks(model: nn.Module) -> int:
 
 def _cached_entries(storage: object) -> list[int]:
     """Entries of this thread's view cache, per group."""
-    return [len(group.views._tls.__dict__) for group in storage.groups()]  # type: ignore[attr-defined]
+    return [len(group.views._tls.__dict__) for group in core_of(storage).groups()]  # type: ignore[attr-defined]
 
 
 def _generated_classes() -> int:

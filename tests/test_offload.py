@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import flatten_parametrize._features.offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import TiedLM, WithOwnParam, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, core_of, mlp, twin, values
 
 
 def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
@@ -29,10 +29,15 @@ def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=dtype)
 
 
+def _disk(storage: FlatStorage) -> offload_module.DiskOffload:
+    """Return the disk-backing feature behind ``storage``."""
+    return core_of(storage).feature(offload_module.DiskOffload)
+
+
 def _in_file(tensor: torch.Tensor, storage: FlatStorage) -> bool:
     """Return whether ``tensor``'s memory lies in one of the storage's file mappings."""
     ptr = tensor.data_ptr()
-    mappings = [b.mapped.untyped_storage() for b in storage._disk.backed().values()]
+    mappings = [b.mapped.untyped_storage() for b in _disk(storage).backed().values()]
     return any(m.data_ptr() <= ptr < m.data_ptr() + m.nbytes() for m in mappings)
 
 
@@ -146,7 +151,7 @@ def test_load_to_memory_brings_values_back_and_deletes_files(tmp_path):
     model(torch.randn(2, 5)).sum().backward()
     opt.step()
     expected = flat.detach().clone()
-    mapping = StorageWeakRef(storage._disk.backed()[0].mapped.untyped_storage())
+    mapping = StorageWeakRef(_disk(storage).backed()[0].mapped.untyped_storage())
     storage.load_to_memory()
     gc.collect()
     assert not storage.is_offloaded and storage.offload_files == {}
@@ -191,7 +196,7 @@ def test_remove_flat_storage_gives_ram_parameters_and_deletes_files(tmp_path):
     storage = register_flat_storage(model)
     storage.offload_to_disk(tmp_path)
     before = values(model)
-    mapped = {b.mapped.untyped_storage().data_ptr() for b in storage._disk.backed().values()}
+    mapped = {b.mapped.untyped_storage().data_ptr() for b in _disk(storage).backed().values()}
     remove_flat_storage(model)
     assert _listing(tmp_path) == []
     assert not storage.is_offloaded
@@ -422,7 +427,7 @@ print(json.dumps({
 # --------------------------------------------------------------------- errors
 def _assert_untouched(model: nn.Module, storage: FlatStorage, before: dict[str, torch.Tensor]) -> None:
     assert not storage.is_offloaded
-    assert storage._disk._files == {}
+    assert _disk(storage)._files == {}
     for key, value in values(model).items():
         assert torch.equal(value, before[key]), key
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import assert_unchanged, snapshot
+from _helpers import assert_unchanged, core_of, snapshot
 
 D = 8  # feature size of every leaf
 B = 4  # batch size
@@ -355,7 +355,7 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
     def _picklable(self) -> bool:
         if self.storage is None:
             return True
-        live = self.storage.live_names()
+        live = core_of(self.storage).live_names()
         return all(name in live for info in self.storage.param_infos for name in (info.name, *info.aliases))
 
     @precondition(_picklable)

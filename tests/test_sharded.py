@@ -27,7 +27,7 @@ from torch import nn
 from flatten_parametrize import ShardedOptimizer, plain_optim_state_dict, register_flat_storage
 from flatten_parametrize._distributed import sharded as _sharded
 
-from _helpers import launch_gloo, launch_results, mlp, save_result, values
+from _helpers import core_of, launch_gloo, launch_results, mlp, save_result, values
 
 BATCH = 12  # divisible by 2 and 3 ranks
 
@@ -177,7 +177,7 @@ def _grad_bytes(storage, opt) -> int:
     """Bytes of gradient memory held: flat gradients, slice gradients, the storage's kept gradient memory."""
     held = sum(f.grad.nbytes for f in storage.flat_params if f.grad is not None)
     held += sum(s.param.grad.nbytes for s in opt._shards if s.param.grad is not None)
-    held += sum(k.nbytes() for g in storage.groups() for k in g.views.grad_buffer._kept)
+    held += sum(k.nbytes() for g in core_of(storage).groups() for k in g.views.grad_buffer._kept)
     return held
 
 

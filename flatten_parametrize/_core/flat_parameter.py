@@ -163,7 +163,7 @@ def rebuild_flat_parameter(
     return FlatParameter(data, requires_grad, names=names, shapes=shapes, numels=numels, offsets=offsets)
 
 
-def _as_flat_parameter(
+def as_flat_parameter(
     tensor: torch.Tensor,
     names: Sequence[str],
     shapes: Sequence[Sequence[int]],

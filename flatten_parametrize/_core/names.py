@@ -43,6 +43,25 @@ def registered_storage(module: nn.Module) -> Any:
     return module.__dict__.get(STORAGE_ATTR)
 
 
+def core_behind(storage: Any, what: str) -> Any:
+    """Return the coordinator core behind ``storage``, a public ``FlatStorage`` (or the core itself).
+
+    The core is found through the storage's public ``module``: the module holds it.
+
+    Raises:
+        TypeError: if ``storage`` is not a ``FlatStorage``.
+        RuntimeError: if it is detached (its module was removed or collected).
+    """
+    module = getattr(storage, "module", None) if not isinstance(storage, nn.Module) else None
+    core = registered_storage(module) if isinstance(module, nn.Module) else None
+    if core is None or (core is not storage and core.facade is not storage):
+        raise TypeError(
+            f"{what} needs a FlatStorage; got {type(storage).__name__}; pass the result of "
+            "register_flat_storage(model)"
+        )
+    return core
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the short name of ``dtype``, e.g. ``'float32'``."""
     return str(dtype).replace("torch.", "")

@@ -2,16 +2,17 @@
 
 Every module that needs to know the layout of a flat storage (state dicts,
 inspection, plotting, optimizer conversion, module surgery, features) reads
-these records, obtained from ``storage.groups()`` and ``storage.slots()``,
+these records, obtained from ``core.groups()`` and ``core.slots()``,
 instead of the coordinator's private attributes. Nothing here imports the
-coordinator.
+coordinator core itself (``_install/coordinator.py``): :class:`Coordinator`
+is the protocol it implements.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +21,7 @@ from .flat_parameter import FlatParameter
 from .layout import GroupLayout
 from .view_cache import GroupViews
 
-__all__ = ["Coordinator", "Group", "ModuleState", "ParamInfo", "Slot", "StagedValue"]
+__all__ = ["Coordinator", "Group", "ModuleState", "ParamInfo", "PublicStorage", "Slot", "StagedValue"]
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,26 @@ class Group:
         return None if grad is None else self.views.split(grad)
 
 
+F = TypeVar("F")
+
 #: A value that ``load_state_dict`` will write into one slot: (group views, index in group, source).
 StagedValue = tuple[GroupViews, int, Tensor]
 
 
 class Coordinator(Protocol):
-    """What the library's modules may use of ``FlatStorage`` (besides its public API)."""
+    """What the library's modules may use of a storage's private core (``_install/coordinator.py``).
+
+    The injected classes, the view cache, surgery, state dicts and every
+    feature see a storage through this protocol; users hold the public
+    ``FlatStorage`` facade instead.
+    """
+
+    #: Depth of nested ``using()`` blocks.
+    using_depth: int
+    #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
+    pending: list[StagedValue] | None
+    #: The public ``FlatStorage`` of this core (``None`` until one was handed out).
+    facade: Any
 
     @property
     def module(self) -> nn.Module:
@@ -132,23 +147,19 @@ class Coordinator(Protocol):
     def param_infos(self) -> list[ParamInfo]:
         """One public record per slot."""
 
+    @property
+    def flat_params(self) -> list[FlatParameter]:
+        """The flat parameters, in group order (pending writes landed)."""
+
+    @property
+    def group_names(self) -> list[str]:
+        """The group names, in group order."""
+
     def groups(self) -> tuple[Group, ...]:
         """The records of the groups, in group order."""
 
     def slots(self) -> tuple[Slot, ...]:
         """The records of the slots, in group and layout order."""
-
-    def flatten(self) -> None:
-        """Switch to flat mode."""
-
-    def unflatten(self) -> None:
-        """Switch to unflattened mode."""
-
-    def flat_buffers_replaced(self) -> None:
-        """Tell the coordinator (and every feature) that flat buffers were swapped (``.data``)."""
-
-    def sync_writes(self) -> None:
-        """Land (or refuse) the writes made around the views since the last call."""
 
     def members(self) -> list[tuple[nn.Module, ModuleState]]:
         """Every module this storage changed (still alive), with its state."""
@@ -159,40 +170,50 @@ class Coordinator(Protocol):
     def live_names(self) -> set[str]:
         """Every flattened name whose module was not replaced or deleted since registration."""
 
-    def flat_state_dict(self) -> Any:
-        """The module's state dict in flat form."""
+    def flatten(self) -> None:
+        """Switch to flat mode."""
 
-    def parameter_found(self, module: nn.Module, attr: str, param: Any) -> Any:
-        """What ``module.<attr>`` serves when its ``_parameters`` holds ``attr``."""
+    def unflatten(self) -> None:
+        """Switch to unflattened mode."""
 
-    def register_via(
-        self, module: nn.Module, base: Callable[[str, Any], None], name: str, param: Any
-    ) -> None:
-        """Run ``module.register_parameter`` (``base``) on a module the storage changed."""
-
-    def stage_loaded(self, loaded: list[StagedValue]) -> None:
-        """Take values that a module's ``_load_from_state_dict`` read, to commit them all at once."""
-
-    def load_via(self, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool) -> Any:
-        """Run the root module's ``load_state_dict`` (``base``) atomically."""
-
-    def apply_via(self, base: Callable[..., nn.Module], fn: Callable[..., Any], recurse: bool) -> nn.Module:
-        """Run the root module's ``_apply`` (``.to()``, ``.half()``, ...) and re-adopt the buffers."""
-
-    # Public API that the optimizer-state conversions (``_optim``, ``_attach_optim``) read.
-    @property
-    def flat_params(self) -> list[FlatParameter]:
-        """The flat parameters, in group order."""
-
-    @property
-    def group_names(self) -> list[str]:
-        """The group names, in group order."""
+    def unflattened(self) -> AbstractContextManager[Any]:
+        """Run a block in unflattened mode."""
 
     def views_of(self, tensors: Any, remove_duplicate: bool = True) -> dict[str, Tensor]:
         """``{name: view}`` over tensors shaped like the flat parameters."""
 
-    def unflattened(self) -> AbstractContextManager[Any]:
-        """Run a block in unflattened mode."""
+    def flat_state_dict(self) -> Any:
+        """The module's state dict in flat form."""
+
+    def sync_writes(self) -> None:
+        """Land (or refuse) the writes made around the views since the last call."""
+
+    def adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
+        """Adopt parameters registered in flat parameters' places, all or nothing."""
+
+    def adopt_flat_params(self) -> None:
+        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
+
+    # The feature seams (see ``features.py``).
+    def feature(self, kind: type[F]) -> F | None:
+        """The feature of type ``kind`` composed on this core, or ``None``."""
+
+    def add_feature(self, feature: Any) -> None:
+        """Drive ``feature``'s lifecycle from now on."""
+
+    def remove_feature(self, feature: Any) -> None:
+        """Stop driving ``feature``'s lifecycle."""
+
+    def flat_buffers_replaced(self) -> None:
+        """Tell the core (and every feature) that flat buffers were swapped (``.data``)."""
+
+
+class PublicStorage(Protocol):
+    """What the public functions that take a ``FlatStorage`` rely on to find its core (its module)."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The registered module."""
 
 
 @dataclass

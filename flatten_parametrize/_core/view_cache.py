@@ -31,14 +31,13 @@ from torch.jit import _trace as _jit_trace
 
 from .grad import GradBuffer, _GroupSplit
 from .layout import GroupLayout
-from .names import MODULE_STATE_ATTR, registered_storage
+from .names import registered_storage
 
 __all__ = [
     "CacheEntry",
     "GradMode",
     "GroupViews",
     "end_trace_split",
-    "make_property",
     "same_memory",
     "trace_split",
 ]
@@ -52,7 +51,6 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_inference = torch.is_inference_mode_enabled
 _is_tracing = torch._C._is_tracing
 _data_ptr = Tensor.data_ptr
-_MISSING = object()
 
 
 class GradMode(IntEnum):
@@ -416,44 +414,3 @@ def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
     if _is_compiling() or _tracing_a_module(module):
         for group in registered_storage(module).groups():
             group.views.trace(False)
-
-
-def _assignment_error(module: nn.Module, name: str) -> RuntimeError:
-    return RuntimeError(
-        f"cannot assign to {type(module).__name__}.{name}: it is a view of a flat "
-        f"storage and assigning a new tensor would be lost. To write values use "
-        f"`with torch.no_grad(): module.{name}.copy_(value)`; to run with other weights "
-        f"use storage.using(...), storage.unflattened(), or functional_call with the "
-        f"flat parameter's name (flat_param_<group>)"
-    )
-
-
-def make_property(name: str) -> property:
-    """Return the class property that serves attribute ``name`` of a flattened module.
-
-    In unflattened mode the attribute is a real parameter in ``_parameters``
-    and is returned as is; in flat mode it is the slot's view.
-    """
-
-    def fget(module: nn.Module) -> Tensor:
-        param = module._parameters.get(name, _MISSING)
-        state = module.__dict__[MODULE_STATE_ATTR]
-        if param is not _MISSING:  # unflattened mode, or a parameter put there around the view
-            return state.storage.parameter_found(module, name, param)
-        group, index = state.slots[name]
-        return group.view(index)
-
-    def fset(module: nn.Module, value: Any) -> None:
-        group, index = module.__dict__[MODULE_STATE_ATTR].slots[name]
-        if isinstance(value, Tensor) and same_memory(value, group.view(index)):
-            return
-        raise _assignment_error(module, name)
-
-    def fdel(module: nn.Module) -> None:
-        raise RuntimeError(
-            f"cannot delete {type(module).__name__}.{name}: it is a view of a flat storage, whose "
-            "layout keeps a slot for it. Delete it inside storage.unflattened() (flattening again "
-            "then asks for a parameter of its shape), or call remove_flat_storage first"
-        )
-
-    return property(fget, fset, fdel, doc=f"View of '{name}' in the flat storage.")

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .records import Coordinator, Group, ModuleState
 
-__all__ = ["check_flat_replacement", "land_parameter", "land_direct_writes", "watch"]
+__all__ = ["check_flat_replacement", "land_parameter", "land_direct_writes", "served_parameter", "watch"]
 
 #: Every registered storage, so that an optimizer step lands pending writes first.
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -88,6 +88,21 @@ def land_parameter(module: nn.Module, state: ModuleState, attr: str, value: Any)
         )
     with torch.no_grad():
         views.split(flat.detach())[index].copy_(value)
+
+
+def served_parameter(module: nn.Module, state: ModuleState, attr: str, param: Any) -> Any:
+    """Return what ``module.<attr>`` serves when its ``_parameters`` holds ``attr`` (the property calls it).
+
+    In unflattened mode (and while a load stages values) that parameter; in
+    flat mode it was put there around the view: it lands in the slot (or is
+    refused) and the view is served.
+    """
+    core = state.storage
+    if not core.is_flattened or core.pending is not None:
+        return param
+    land_parameter(module, state, attr, param)
+    views, index = state.slots[attr]
+    return views.view(index)
 
 
 def land_direct_writes(owners: Iterable[tuple[nn.Module, ModuleState]]) -> None:

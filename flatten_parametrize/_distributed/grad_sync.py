@@ -458,3 +458,24 @@ def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], N
             sync.grad_ready(g)
 
     return hook
+
+
+def grad_sync_of(core: Coordinator) -> GradSync:
+    """Return the gradient-sync feature of ``core``, composing it on first use."""
+    sync = core.feature(GradSync)
+    if sync is None:
+        sync = GradSync(core)
+        core.add_feature(sync)
+    return sync
+
+
+def sync_enabled(core: Coordinator) -> bool:
+    """Return whether the storage's own grad sync (``enable_grad_sync``) is on."""
+    sync = core.feature(GradSync)
+    return sync is not None and sync.state is not None
+
+
+def sync_paused(core: Coordinator) -> bool:
+    """Return whether a ``no_sync()`` block of the storage is open."""
+    sync = core.feature(GradSync)
+    return sync is not None and bool(sync.no_sync_depth)

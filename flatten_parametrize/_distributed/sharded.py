@@ -44,13 +44,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._core.names import core_behind
 from . import sharded_state as _sharded_state
-from .grad_sync import _current_node, _graph_task_id, _process_group, _queue_callback
+from .grad_sync import (
+    _current_node,
+    _graph_task_id,
+    _process_group,
+    _queue_callback,
+    grad_sync_of,
+    sync_enabled,
+    sync_paused,
+)
 from .shard import Shard, all_gather, reduce_scatter
 from .sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
 
 if TYPE_CHECKING:
-    from .._storage import FlatStorage
+    from .._core.records import Coordinator, PublicStorage
 
 __all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS"]
 
@@ -132,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        storage: FlatStorage,
+        storage: PublicStorage,
         optimizer_class: type[torch.optim.Optimizer],
         params: Iterable[Any] | None = None,
         *,
@@ -141,31 +150,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         allow_unlisted: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        from .._storage import FlatStorage
-
-        if not isinstance(storage, FlatStorage):
-            raise TypeError(
-                f"ShardedOptimizer needs a FlatStorage; got {type(storage).__name__}; pass the result of "
-                "register_flat_storage(model)"
-            )
+        core: Coordinator = core_behind(storage, "ShardedOptimizer")
         check_class(optimizer_class, allow_unlisted)
-        groups = param_groups(storage, params)
-        _check_unclaimed(storage, [p for g in groups for p in g["params"]])
+        groups = param_groups(core, params)
+        _check_unclaimed(core, [p for g in groups for p in g["params"]])
         pg, world = _process_group(process_group, "ShardedOptimizer")
-        if storage.grad_sync().state is not None:
+        if sync_enabled(core):
             raise RuntimeError(_TWICE)
-        self._storage_ref = weakref.ref(storage)
+        self._storage_ref = weakref.ref(core)
         self._pg, self._world = pg, world
         self._rank = dist.get_rank(pg)
         self._owners = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
         self._shard_gradients = bool(shard_gradients)
         self._nccl = "nccl" in str(dist.get_backend(pg))
         self._by_owner = not self._nccl
-        #: This rank's slices, in storage order (the order collectives start in, on every rank).
+        #: This rank's slices, in core order (the order collectives start in, on every rank).
         self._shards: list[Shard] = []
         self._begin(None)
         self._building = True
-        inner_groups = [{**g, "params": self._new_shards(storage, g["params"])} for g in groups]
+        inner_groups = [{**g, "params": self._new_shards(core, g["params"])} for g in groups]
         self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
         outer = [
             {**hyperparameters(inner), "params": g["params"]}
@@ -173,12 +176,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ]
         super().__init__(outer, dict(self.local_optimizer.defaults))
         self._building = False
-        self._check_layout(storage, optimizer_class)
-        self._broadcast(storage.flat_params)
-        self._hook(storage)
+        self._check_layout(core, optimizer_class)
+        self._broadcast(core.flat_params)
+        self._hook(core)
 
     # ----------------------------------------------------------------- building
-    def _new_shards(self, storage: FlatStorage, flats: list[Tensor]) -> list[Tensor]:
+    def _new_shards(self, storage: Coordinator, flats: list[Tensor]) -> list[Tensor]:
         """Make a slice of each trainable flat parameter in ``flats``; return the inner parameters."""
         new = [
             Shard(g, flat, self._rank, self._world)
@@ -189,7 +192,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         by_flat = {id(s.flat): s for s in new}
         return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
 
-    def _storage(self) -> FlatStorage:
+    def _storage(self) -> Coordinator:
         storage = self._storage_ref()
         if storage is None:
             raise RuntimeError(
@@ -201,7 +204,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _shard_of(self, flat: Tensor) -> Shard | None:
         return next((s for s in self._shards if s.flat is flat), None)
 
-    def _check_layout(self, storage: FlatStorage, optimizer_class: type) -> None:
+    def _check_layout(self, storage: Coordinator, optimizer_class: type) -> None:
         """Compare a fingerprint of this rank's layout with every rank's, in one collective."""
         flats = storage.flat_params
         layout = repr(
@@ -229,7 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{prints}); register the same model with the same groups on every rank"
             )
 
-    def _device(self, storage: FlatStorage) -> torch.device:
+    def _device(self, storage: Coordinator) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""
         if self._nccl:
             return torch.device("cuda", torch.cuda.current_device())
@@ -249,7 +252,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self._shards:
             shard.bind()
 
-    def _hook(self, storage: FlatStorage) -> None:
+    def _hook(self, storage: Coordinator) -> None:
         """Put the gradient-ready hook on every sliced flat parameter that lacks it; relink ``state``."""
         ref = weakref.ref(self)
         for shard in self._shards:
@@ -301,9 +304,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grad_ready(self, flat: Tensor) -> None:
         """Hook body: ``flat``'s gradient is final for this backward."""
         storage = self._storage_ref()
-        if storage is None or storage.grad_sync().no_sync_depth:
+        if storage is None or sync_paused(storage):
             return
-        if storage.grad_sync().state is not None:
+        if sync_enabled(storage):
             raise RuntimeError(_TWICE)
         index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
         if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
@@ -394,7 +397,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ...     model(x0).sum().backward()
             >>> model(x1).sum().backward()  # syncs the sum of both
         """
-        with self._storage().no_sync():
+        with grad_sync_of(self._storage()).paused():
             yield
 
     # -------------------------------------------------------------- optimizer API
@@ -653,7 +656,7 @@ _TWICE = (
 _CLAIMS: dict[int, tuple[weakref.ref[Tensor], weakref.ref[ShardedOptimizer]]] = {}
 
 
-def _check_unclaimed(storage: FlatStorage, flats: Iterable[Tensor]) -> None:
+def _check_unclaimed(storage: Coordinator, flats: Iterable[Tensor]) -> None:
     """Refuse flat parameters that another live ``ShardedOptimizer`` syncs (gradients reduced twice)."""
     for key, (flat_ref, opt_ref) in list(_CLAIMS.items()):
         if flat_ref() is None or opt_ref() is None:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .._storage import FlatStorage
+    from .._core.records import Coordinator
 
 __all__ = ["ALLOWED_OPTIMIZERS", "check_class", "hyperparameters", "param_groups"]
 
@@ -50,7 +50,7 @@ def check_class(optimizer_class: Any, allow_unlisted: bool) -> None:
         )
 
 
-def param_groups(storage: FlatStorage, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
+def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
     """Return ``params`` as param-group dicts over flat parameters of ``storage`` (checked)."""
     flats = storage.flat_params
     if params is None:

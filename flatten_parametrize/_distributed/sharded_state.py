@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._state.optim import _check_state_dict
+from .._state.optim import check_state_dict
 from .shard import Shard, all_gather, copy_value, elementwise
 from .sharded_args import hyperparameters
 
@@ -80,7 +80,7 @@ def load_gathered(opt: ShardedOptimizer, state_dict: Mapping[str, Any]) -> None:
         hooked = pre_hook(opt, state_dict)
         if hooked is not None:
             state_dict = hooked
-    state, groups = _check_state_dict(state_dict, "ShardedOptimizer.load_state_dict()")
+    state, groups = check_state_dict(state_dict, "ShardedOptimizer.load_state_dict()")
     saved = _match_groups(opt, groups, "load_state_dict()")
 
     def piece(shard: Shard, saved_id: Any, key: str, value: Tensor) -> Tensor:

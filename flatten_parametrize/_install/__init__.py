@@ -1,6 +1,16 @@
 """Registration and module surgery: the private coordinator core and everything that changes the module tree.
 
-The coordinator (``coordinator.py``), the injected classes (``module_classes.py``),
-flatten/unflatten (``surgery.py``), pickling and deep copy, grouping and reuse.
+The coordinator core (``coordinator.py``), the injected classes
+(``module_classes.py``), flatten/unflatten and the other tree changes
+(``surgery.py``), registration and removal (``lifecycle.py``), whole-model
+pickling (``pickling.py``), deep copy (``copying.py``), grouping and reuse.
 Uses ``_core`` and ``_state``.
+
+``pickling`` and ``copying`` contribute the injected classes' ``__reduce_ex__``
+and ``__deepcopy__`` when imported (see ``module_classes.contribute``), so
+they are imported here, before any class is made.
 """
+
+from . import copying, pickling
+
+__all__ = ["copying", "pickling"]

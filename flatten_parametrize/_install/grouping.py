@@ -72,7 +72,7 @@ def _check_not_flattened(module: nn.Module) -> None:
             )
 
 
-def _collect_names(module: nn.Module) -> dict[int, SlotSpec]:
+def collect_names(module: nn.Module) -> dict[int, SlotSpec]:
     slots: dict[int, SlotSpec] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         spec = slots.get(id(param))
@@ -287,7 +287,7 @@ def resolve_groups(
         raise TypeError(f"register_flat_storage needs an nn.Module; got {type(module).__name__}")
     if plain is None:
         _check_not_flattened(module)
-        by_id = _collect_names(module)
+        by_id = collect_names(module)
     else:
         by_id = {id(spec.param): spec for spec in plain}
     positional = False

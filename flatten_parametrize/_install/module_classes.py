@@ -10,20 +10,20 @@ save/load, ``_apply``, ``__deepcopy__``). All of them read the module's own
 
 from __future__ import annotations
 
-import copy
-import copyreg
 from typing import Any, Callable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from .._core.attribute import make_property
+from .._core.features import in_flat_mode
+from .._core.flat_parameter import FlatParameter
 from .._core.names import MODULE_STATE_ATTR, registered_storage
 from .._core.records import ModuleState
-from .._core.view_cache import make_property
-from .._state.state_dict import alias_unflattened, load_module, save_module
-from .pickling import copy_alone, reduce_flattened
+from .._core.writes import check_flat_replacement, land_parameter
+from .._state.state_dict import alias_unflattened, load_atomically, load_module, save_module
 
-__all__ = ["METHODS", "make_class", "base_of", "clone_class", "add_property"]
+__all__ = ["METHODS", "add_property", "base_of", "clone_class", "contribute", "make_class"]
 
 _MARKER = "_flat_parametrize_class"
 
@@ -88,19 +88,43 @@ def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-    storage = registered_storage(self)
+    core = registered_storage(self)
     base = _super(self).load_state_dict
-    if storage is None:
+    if core is None:
         return base(state_dict, strict=strict, assign=assign)
-    return storage.load_via(base, state_dict, strict=strict, assign=assign)
+    return load_atomically(core, base, state_dict, strict=strict, assign=assign)
 
 
 def register_parameter(self: nn.Module, name: str, param: Any) -> None:
+    """Run ``register_parameter`` on a module a storage changed.
+
+    A flat parameter's name adopts ``param`` as the group's flat parameter;
+    a flattened attribute's name (flat mode) copies the values into its slot;
+    anything else is torch's.
+
+    Raises:
+        RuntimeError: if ``param`` cannot take that place (nothing changed).
+    """
     state = _state(self)
     base = _super(self).register_parameter
     if state is None:
         return base(name, param)
-    state.storage.register_via(self, base, name, param)
+    core = state.storage
+    group = next((g for g in core.groups() if g.flat_name == name), None)
+    if group is not None and registered_storage(self) is core:
+        if not core.is_flattened or core.using_depth:
+            raise RuntimeError(
+                f"cannot replace {name} in unflattened mode or inside using(): the flat "
+                "parameter is not served there; call storage.flatten() (or leave using()) first"
+            )
+        check_flat_replacement(group, param)
+        base(name, param)
+        core.adopt_replacements([(group, param)])
+        return None
+    if core.is_flattened and core.pending is None and name in state.slots and name not in self._parameters:
+        land_parameter(self, state, name, param)
+        return None
+    return base(name, param)
 
 
 def _delattr(self: nn.Module, name: str) -> None:
@@ -115,40 +139,26 @@ def _delattr(self: nn.Module, name: str) -> None:
 
 
 def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
-    storage = registered_storage(self)
+    """Run ``_apply`` (``.to()``, ``.half()``, ...) in flat mode, then re-adopt the flat parameters."""
+    core = registered_storage(self)
     base = _super(self)._apply
-    if storage is None:
+    if core is None:
         return base(fn, recurse)
-    return storage.apply_via(base, fn, recurse)
+    if core.using_depth:
+        raise RuntimeError("cannot convert or move the module inside storage.using(...); leave it first")
 
+    def convert(tensor: Tensor) -> Any:
+        # A no-op conversion returns the FlatParameter itself, which torch cannot
+        # re-wrap in a Parameter when it replaces parameters; hand it a plain view.
+        out = fn(tensor)
+        return out.detach() if type(out) is FlatParameter else out
 
-def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
-    found = memo.get(id(self))
-    if found is not None:
-        return found
-    state = _state(self)
-    if state is not None:
-        state.storage.sync_writes()  # a `.data` write not landed yet lives in a cached view only
-        root = state.storage.module_unchecked
-        if root is not self and id(root) not in memo:
-            return copy_alone(self, memo)  # copied on its own: a standalone plain module
-    base_copy = getattr(base_of(self), "__deepcopy__", None)
-    if base_copy is not None:
-        replica = base_copy(self, memo)
-    else:
-        replica = self.__new__(type(self))
-        memo[id(self)] = replica
-        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-        for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
-            if hasattr(self, slot):
-                setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
-    # The copy gets a class of its own, so that changing one never changes the other.
-    replica.__class__ = clone_class(type(self))
-    return replica
-
-
-def _reduce_ex(self: nn.Module, proto: Any) -> Any:
-    return reduce_flattened(self, proto)
+    core.sync_writes()
+    with in_flat_mode(core):
+        try:
+            return base(convert, recurse)
+        finally:
+            core.adopt_flat_params()
 
 
 def _prepare_scriptable(self: nn.Module) -> nn.Module:
@@ -173,12 +183,22 @@ METHODS: dict[str, Any] = {
     "register_parameter": register_parameter,
     "__delattr__": _delattr,
     "_apply": _apply,
-    "__deepcopy__": _deepcopy,
-    "__reduce_ex__": _reduce_ex,
     "__prepare_scriptable__": _prepare_scriptable,
 }
 
 _SKIP = ("__dict__", "__weakref__")
+
+
+def contribute(name: str, method: Callable[..., Any]) -> None:
+    """Add ``method`` to every class made from now on, as attribute ``name``.
+
+    The modules that own a lifecycle of the injected classes contribute their
+    method here when they are imported (``pickling.py``: ``__reduce_ex__``;
+    ``copying.py``: ``__deepcopy__``): they need the registration machinery
+    themselves, so this module cannot import them. ``_install/__init__.py``
+    imports both, so no class is made without them.
+    """
+    METHODS[name] = method
 
 
 def make_class(module: nn.Module) -> type:

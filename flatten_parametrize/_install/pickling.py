@@ -36,10 +36,14 @@ from .._core.layout import shape_numel
 from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, registered_storage
 from .._core.parametrize_interop import FlatViewList, HiddenParametrizations
 from .._core.records import Coordinator, ModuleState, Slot
+from .coordinator import StorageCore
+from .lifecycle import install_storage
+from .module_classes import contribute
+from .surgery import locate
 
 __all__ = ["StorageRecord", "copy_alone", "reduce_flattened"]
 
-_PACKAGE = __name__.rpartition(".")[0]
+_PACKAGE = __name__.split(".")[0]
 _NEWOBJ = getattr(copyreg, "__newobj__")  # noqa: B009 (missing from the type stubs)
 
 
@@ -224,7 +228,7 @@ def _reduce_module(module: nn.Module, context: _Context, proto: Any) -> Any:
 class StorageRecord:
     """What the registered module's reduction carries to register its storage again on load.
 
-    ``FlatStorage.restore_pickled`` reads it.
+    :func:`_restore` reads it.
     """
 
     def __init__(self, context: _Context) -> None:
@@ -261,9 +265,37 @@ def reduce_flattened(module: nn.Module, proto: Any) -> Any:
             )
         context = _Context(storage, member=True)
         func, args, own = _reduce_module(module, context, proto)
-        restore = type(storage).restore_pickled
-        return (func, args, (own, StorageRecord(context)), None, None, restore)
+        return (func, args, (own, StorageRecord(context)), None, None, _restore)
     return _reduce_module(module, _Context(storage, member=False), proto)
+
+
+def _restore(root: nn.Module, state: tuple[dict[str, Any], StorageRecord]) -> None:
+    """Give an unpickled registered module its state, then register its storage again.
+
+    ``state`` is the module's cleaned ``__dict__`` (its slots already
+    parameters viewing the loaded flat parameters) and the record of its
+    storage. The unpickler calls it (the reduction's state setter).
+    """
+    own, record = state
+    root.__setstate__(own)
+    modules = dict(root.named_modules(remove_duplicate=False))
+    slots = []
+    for name, aliases, group_index, index in record.slots:
+        owner, attr = locate(modules, name)
+        param = owner._parameters[attr]
+        assert param is not None
+        slots.append(Slot(name, aliases, group_index, index, param))
+    core = StorageCore(root, record.group_names, record.flats, record.layouts, slots)
+    install_storage(core)
+    if not record.flattened:
+        core.unflatten()
+
+
+def _reduce_ex(self: nn.Module, proto: Any) -> Any:
+    return reduce_flattened(self, proto)
+
+
+contribute("__reduce_ex__", _reduce_ex)
 
 
 def copy_alone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:

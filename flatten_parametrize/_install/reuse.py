@@ -9,14 +9,14 @@ from torch import nn
 
 from .._core.flat_parameter import FlatParameter
 from .._core.layout import plan_group
-from .._storage import FlatStorage
+from .._core.records import Coordinator
 from .grouping import GroupsArg, SlotSpec, bucket_groups, resolve_groups
 from .wrappers import strip_prefix
 
 __all__ = ["check_same_layout", "plain_parameters"]
 
 
-def plain_parameters(storage: FlatStorage, prefix: str = "") -> list[SlotSpec]:
+def plain_parameters(storage: Coordinator, prefix: str = "") -> list[SlotSpec]:
     """Return the plain model's parameters of a flattened module, each with every name it has.
 
     They come in module order, as ``named_parameters()`` of the plain module
@@ -40,7 +40,7 @@ def plain_parameters(storage: FlatStorage, prefix: str = "") -> list[SlotSpec]:
 
 
 def check_same_layout(
-    storage: FlatStorage,
+    storage: Coordinator,
     module: nn.Module,
     prefix: str,
     groups: GroupsArg,

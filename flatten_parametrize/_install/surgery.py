@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._core.flat_parameter import FlatParameter, _as_flat_parameter
+from .._core.flat_parameter import FlatParameter, as_flat_parameter
 from .._core.layout import GroupLayout
 from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from .._core.parametrize_interop import HiddenParametrizations, register_view
@@ -131,7 +131,7 @@ def rewrap_flat_param(root: nn.Module, group: Group) -> FlatParameter:
     if not isinstance(param, Tensor) or (param is group.flat and type(param) is FlatParameter):
         return group.flat
     layout, members = group.layout, group.members
-    flat = _as_flat_parameter(
+    flat = as_flat_parameter(
         param,
         names=[slot.name for slot in members],
         shapes=[layout.shapes[slot.index] for slot in members],

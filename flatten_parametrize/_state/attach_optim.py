@@ -18,7 +18,7 @@ from torch import Tensor
 from .optim import flat_optim_state_dict, plain_optim_state_dict
 
 if TYPE_CHECKING:
-    from .._core.records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
+    from .._core.records import PublicStorage
 
 __all__ = ["OptimizerAttachment", "attach_optimizer"]
 
@@ -48,7 +48,7 @@ class OptimizerAttachment:
     ``remove()`` detaches it: the optimizer saves and loads its own flat format again.
     """
 
-    def __init__(self, storage: FlatStorage, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, storage: PublicStorage, optimizer: torch.optim.Optimizer) -> None:
         self.storage = storage
         self.optimizer = optimizer
         self._handles = [
@@ -119,7 +119,7 @@ class OptimizerAttachment:
         return _reorder(flat, optimizer, flat_names)
 
 
-def _flat_names(storage: FlatStorage, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+def _flat_names(storage: PublicStorage, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """Name (relative to the flattened module) of each optimizer parameter, per param group."""
     names = {id(p): n for n, p in storage.module.named_parameters()}
     out = []
@@ -195,7 +195,7 @@ def _reorder(
     return {"state": state, "param_groups": out_groups}
 
 
-def attach_optimizer(storage: FlatStorage, optimizer: Any) -> OptimizerAttachment:
+def attach_optimizer(storage: PublicStorage, optimizer: Any) -> OptimizerAttachment:
     """Attach ``optimizer`` to ``storage``: see :meth:`FlatStorage.attach_optimizer`."""
     inner = _unwrap(optimizer)
     existing = getattr(inner, _ATTACHED, None)

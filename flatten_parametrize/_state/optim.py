@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any, Union
 import torch
 from torch import Tensor
 
-from .._core.names import flat_param_name
+from .._core.names import core_behind, flat_param_name
 
 if TYPE_CHECKING:
-    from .._core.records import Coordinator as FlatStorage  # the coordinator's protocol: no import cycle
-    from .._core.records import ParamInfo
+    from .._core.records import Coordinator, ParamInfo, PublicStorage
 
 __all__ = ["flat_optim_state_dict", "plain_optim_state_dict"]
 
@@ -48,7 +47,7 @@ _Target = Union["ParamInfo", _Flat, Tensor]
 class _Model:
     """Both sides of one flat storage: parameter names and order of the plain and flattened model."""
 
-    def __init__(self, storage: FlatStorage) -> None:
+    def __init__(self, storage: Coordinator) -> None:
         self.storage = storage
         self.infos = storage.param_infos
         self.flats = [_Flat(g, f.numel()) for g, f in zip(storage.group_names, storage.flat_params)]
@@ -105,7 +104,7 @@ def _shape(target: _Target) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------ state-dict side
-def _check_state_dict(state_dict: Any, what: str) -> tuple[Mapping[Any, Any], list[Mapping[str, Any]]]:
+def check_state_dict(state_dict: Any, what: str) -> tuple[Mapping[Any, Any], list[Mapping[str, Any]]]:
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise TypeError(
             f"{what} needs an optimizer state dict (a dict with 'state' and 'param_groups', as "
@@ -272,7 +271,7 @@ def _has_names(groups: list[Mapping[str, Any]], param_names: Sequence[str] | Non
 
 # -------------------------------------------------------------------- plain -> flat
 def flat_optim_state_dict(
-    storage: FlatStorage,
+    storage: PublicStorage,
     optim_state_dict: Mapping[str, Any],
     param_names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
@@ -333,8 +332,8 @@ def flat_optim_state_dict(
         torch.Size([6])
     """
     what = "flat_optim_state_dict()"
-    state, groups = _check_state_dict(optim_state_dict, what)
-    model = _Model(storage)
+    state, groups = check_state_dict(optim_state_dict, what)
+    model = _Model(core_behind(storage, what))
     resolved = _resolve(model, groups, param_names, flat=False, what=what)
     elementwise = _elementwise_keys(state, resolved)
 
@@ -443,7 +442,7 @@ def _flat_state(
 
 # -------------------------------------------------------------------- flat -> plain
 def plain_optim_state_dict(
-    storage: FlatStorage,
+    storage: PublicStorage,
     optim_state_dict: Mapping[str, Any],
     param_names: Sequence[str] | None = None,
 ) -> dict[str, Any]:
@@ -497,8 +496,8 @@ def plain_optim_state_dict(
         [(2, 2), (2,)]
     """
     what = "plain_optim_state_dict()"
-    state, groups = _check_state_dict(optim_state_dict, what)
-    model = _Model(storage)
+    state, groups = check_state_dict(optim_state_dict, what)
+    model = _Model(core_behind(storage, what))
     resolved = _resolve(model, groups, param_names, flat=True, what=what)
     out_groups: list[dict[str, Any]] = []
     out_states: list[list[dict[str, Any] | None]] = []

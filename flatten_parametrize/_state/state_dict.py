@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
 import torch
@@ -32,7 +32,7 @@ __all__ = [
     "Snapshot",
     "alias_unflattened",
     "StagingSlot",
-    "commit_staged",
+    "load_atomically",
     "layout_record",
     "load_module",
     "save_module",
@@ -219,7 +219,7 @@ def load_module(
         for name, value in saved:
             params[name] = kept.pop(name, value)
         params.update(kept)
-    state.storage.stage_loaded(loaded)
+    _stage(state.storage, loaded)
 
 
 def layout_record(group: Group) -> Tensor:
@@ -361,7 +361,47 @@ class Snapshot:
                     tensor.copy_(value)
 
 
-def commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
+def _stage(core: Coordinator, loaded: list[StagedValue]) -> None:
+    """Take values read by a module's ``_load_from_state_dict``: staged during a load, else written."""
+    if core.pending is not None:
+        core.pending.extend(loaded)
+    else:
+        _commit_staged(core.groups(), loaded)
+
+
+def load_atomically(
+    core: Coordinator, base: Callable[..., Any], state_dict: Any, strict: bool, assign: bool
+) -> Any:
+    """Load through torch's machinery (``base``, the root's ``load_state_dict``), then commit: all or nothing.
+
+    In flat mode each module's ``_load_from_state_dict`` stages the values of
+    its flattened attributes (:func:`load_module`) and nothing is written until
+    torch's load returned without error: then the staged values go into the
+    flat buffers in one native call. Everything else torch loaded (buffers,
+    ordinary parameters, ``assign=True`` replacements, unflattened-mode
+    parameters) is put back from a snapshot if anything raised.
+
+    Raises:
+        TypeError: if ``state_dict`` is not a mapping.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    flat_mode = core.is_flattened
+    core.sync_writes()
+    snapshot = Snapshot(core.module, {id(group.flat) for group in core.groups()} if flat_mode else set())
+    core.pending = [] if flat_mode else None
+    try:
+        result = base(state_dict, strict=strict, assign=assign)
+        _commit_staged(core.groups(), core.pending or [])
+    except BaseException:
+        snapshot.restore()
+        raise
+    finally:
+        core.pending = None
+    return result
+
+
+def _commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
     """Write staged values into the flat buffers with one native call.
 
     Everything that can fail (casts, device moves, allocation) happens

@@ -1,0 +1,488 @@
+"""The private coordinator core of a flat storage: its state, its modes and the write paths it owns.
+
+One :class:`StorageCore` per registered module. It holds the group and slot
+records, the mode, the staging list of a load in progress and the features
+composed on it; it implements ``_core.records.Coordinator``, the only
+interface the rest of the library sees of it. The injected classes, the view
+cache, the surgery and every feature talk to this object; users hold the
+public facade ``flatten_parametrize.FlatStorage``, which delegates here. The
+module surgery is in ``surgery.py``, registration and removal in
+``lifecycle.py``, pickling in ``pickling.py``, deep copy in ``copying.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar, Union
+
+import torch
+from torch import Tensor, nn
+
+from .._core.features import Feature
+from .._core.flat_parameter import FlatParameter
+from .._core.layout import GroupLayout
+from .._core.names import (
+    MODULE_STATE_ATTR,
+    flat_layout_name,
+    flat_param_name,
+    library_state,
+    registered_storage,
+)
+from .._core.per_group import per_group
+from .._core.records import Group, ModuleState, ParamInfo, Slot, StagedValue
+from .._core.transaction import Transaction, atomically
+from .._core.view_cache import GroupViews, same_memory
+from .._core.writes import check_flat_replacement, land_direct_writes
+from .._state.state_dict import layout_record
+from . import surgery
+
+__all__ = ["FlatTensors", "StorageCore"]
+
+#: One tensor per group: a list in group order, a dict by group name, or (for a
+#: storage with one group) a single tensor.
+FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
+
+F = TypeVar("F")
+
+
+class StorageCore:
+    """The coordinator of a module's flat parameters (private: users hold ``FlatStorage``).
+
+    Args:
+        module: the registered module (held weakly).
+        group_names: the group names, in group order.
+        flats: the flat parameter of each group.
+        layouts: the layout of each group.
+        slots: one record per flattened parameter object.
+        views: each group's view cache (default: new ones over ``module._parameters``;
+            a deep copy passes the copied ones, which its modules' states hold).
+        flattened: the mode (a deep copy of an unflattened model starts unflattened).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group_names: Sequence[str],
+        flats: Sequence[FlatParameter],
+        layouts: Sequence[GroupLayout],
+        slots: Sequence[Slot],
+        *,
+        views: Sequence[GroupViews] | None = None,
+        flattened: bool = True,
+    ) -> None:
+        self._root_ref = weakref.ref(module)
+        self._slots = tuple(slots)
+        groups = []
+        for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
+            flat_name = flat_param_name(name)
+            members = tuple(slot for slot in self._slots if slot.group_index == index)
+            if views is None:
+                names = tuple(slot.name for slot in members)
+                group_views = GroupViews(module._parameters, flat_name, layout, names)
+            else:
+                group_views = views[index]
+            groups.append(Group(index, name, flat_name, layout, group_views, flat, members))
+        self._groups = tuple(groups)
+        self._flattened = flattened
+        #: Depth of nested ``using()`` blocks.
+        self.using_depth = 0
+        #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
+        self.pending: list[StagedValue] | None = None
+        #: The modules this storage changed, with their state (recorded at registration).
+        self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
+        #: The features composed on this core, in the order the lifecycle notifies them.
+        self.features: list[Feature] = []
+        #: The public ``FlatStorage`` handed out for this core (made by the public layer).
+        self.facade: Any = None
+
+    # --------------------------------------------------------------- read API
+    @property
+    def module(self) -> nn.Module:
+        """Return the registered module.
+
+        Raises:
+            RuntimeError: if the module was garbage collected or the storage removed.
+        """
+        module = self._root_ref()
+        if module is None or registered_storage(module) is not self:
+            raise RuntimeError(
+                "this flat storage is detached: its module was garbage collected or "
+                "remove_flat_storage was called; use get_flat_storage(module) for the current one"
+            )
+        return module
+
+    @property
+    def module_unchecked(self) -> nn.Module:
+        """Return the registered module, also while registration is still under way."""
+        module = self._root_ref()
+        if module is None:
+            raise RuntimeError("the module of this flat storage was garbage collected")
+        return module
+
+    def groups(self) -> tuple[Group, ...]:
+        """Return the record of each group, in group order."""
+        return self._groups
+
+    def slots(self) -> tuple[Slot, ...]:
+        """Return the record of each flattened slot, in group and layout order."""
+        return self._slots
+
+    @property
+    def is_flattened(self) -> bool:
+        """Return whether the module is in flat mode."""
+        return self._flattened
+
+    @property
+    def flat_params(self) -> list[FlatParameter]:
+        """Return the flat parameters, one per group, in group order (pending writes landed)."""
+        self.sync_writes()
+        return [group.flat for group in self._groups]
+
+    @property
+    def group_names(self) -> list[str]:
+        """Return the group names, in group order."""
+        return [group.name for group in self._groups]
+
+    def flat_of(self, group: str) -> FlatParameter:
+        """Return the flat parameter of group ``group`` (see ``FlatStorage.__getitem__``)."""
+        if not isinstance(group, str):
+            raise TypeError(
+                f"flat storage groups are named by str; got {type(group).__name__} {group!r}; "
+                f"groups are {self.group_names}"
+            )
+        for record in self._groups:
+            if record.name == group:
+                self.sync_writes()
+                return self._groups[record.index].flat
+        raise KeyError(f"no group {group!r} in this flat storage; groups are {self.group_names}")
+
+    @property
+    def param_infos(self) -> list[ParamInfo]:
+        """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
+        return [
+            ParamInfo(
+                name=slot.name,
+                aliases=slot.aliases,
+                group=group.name,
+                offset=group.layout.offsets[slot.index],
+                numel=group.layout.numels[slot.index],
+                shape=torch.Size(group.layout.shapes[slot.index]),
+                dtype=group.flat.dtype,
+            )
+            for group in self._groups
+            for slot in group.members
+        ]
+
+    def members(self) -> list[tuple[nn.Module, ModuleState]]:
+        """Return every module this storage changed (still alive), with its state.
+
+        Recorded at registration; in unflattened mode the modules other than the
+        registered one are plain (original class, no library state in ``__dict__``).
+        """
+        if self._owners is None:
+            self._owners = [
+                (weakref.ref(module), state)
+                for module in {id(m): m for m in self.module_unchecked.modules()}.values()
+                if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
+                and state.storage is self
+            ]
+        return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
+
+    def adopt_members(self, owners: list[tuple[nn.Module, ModuleState]]) -> None:
+        """Take ``owners`` as the modules this storage changed (a deep copy's)."""
+        self._owners = [(weakref.ref(module), state) for module, state in owners]
+
+    def state_of(self, module: nn.Module) -> ModuleState | None:
+        """Return the library's state of ``module`` if this storage changed it, in either mode."""
+        state = library_state(module)
+        return state if isinstance(state, ModuleState) and state.storage is self else None
+
+    def live_names(self) -> set[str]:
+        """Return every flattened name whose module is still where registration found it.
+
+        A submodule replaced or deleted after registration leaves its names dead.
+        """
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return {name for slot in self._slots for name in surgery.live_names(self, slot, modules)}
+
+    # ---------------------------------------------------------------- features
+    def feature(self, kind: type[F]) -> F | None:
+        """Return the feature of type ``kind`` composed on this core, or ``None``."""
+        return next((f for f in self.features if type(f) is kind), None)
+
+    def add_feature(self, feature: Feature) -> None:
+        """Drive ``feature``'s lifecycle from now on."""
+        self.features.append(feature)
+
+    def remove_feature(self, feature: Feature) -> None:
+        """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
+        self.features = [f for f in self.features if f is not feature]
+
+    def flat_buffers_replaced(self) -> None:
+        """Re-point the originals and views after flat buffers were swapped; notify every feature.
+
+        The "flat buffer replaced" notification: features call it after they
+        swap a flat parameter's ``.data`` (the disk backing does), and the
+        core runs it after ``module.to()`` & co. re-back or replace the flat
+        parameters.
+        """
+        surgery.refresh_originals(self._groups, self._slots)
+        for feature in list(self.features):
+            feature.on_rebacked()
+
+    # ------------------------------------------------------------------- views
+    def _live(self, slot: Slot, modules: dict[str, nn.Module], remove_duplicate: bool) -> tuple[str, ...]:
+        names = surgery.live_names(self, slot, modules)
+        return names[:1] if remove_duplicate else names
+
+    def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(name, tensor)`` for every live flattened name, as the module serves it."""
+        self.sync_writes()
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        for slot in self._slots:
+            for name in self._live(slot, modules, remove_duplicate):
+                owner, attr = surgery.locate(modules, name)
+                yield name, getattr(owner, attr)
+
+    def named_grads(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor | None]]:
+        """Yield ``(name, gradient view or None)`` for every live flattened name."""
+        if not self._flattened:
+            for name, param in self.named_views(remove_duplicate):
+                yield name, param.grad
+            return
+        self.sync_writes()
+        grads = [group.grad_views() for group in self._groups]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        for slot in self._slots:
+            split = grads[slot.group_index]
+            for name in self._live(slot, modules, remove_duplicate):
+                yield name, None if split is None else split[slot.index]
+
+    def per_group_tensors(self, tensors: FlatTensors, what: str, exact: bool) -> list[Tensor]:
+        """Return one flat-shaped tensor per group from ``tensors`` (checked; see ``views_of``)."""
+        groups = self.group_names
+        items = per_group(tensors, groups, what, "tensor", "flat-shaped tensor")
+        for group, item, flat in zip(groups, items, self.flat_params):
+            if item.shape != flat.shape:
+                raise ValueError(
+                    f"{what}: group '{group}' needs a one-dimensional tensor of "
+                    f"{flat.numel()} elements; got shape {tuple(item.shape)}"
+                )
+            if exact and (item.dtype != flat.dtype or item.device != flat.device):
+                raise ValueError(
+                    f"{what}: group '{group}' needs a {flat.dtype} tensor on {flat.device}; "
+                    f"got {item.dtype} on {item.device}; convert it with "
+                    f".to(device={str(flat.device)!r}, dtype={flat.dtype})"
+                )
+        return items
+
+    def views_of(self, tensors: FlatTensors, remove_duplicate: bool = True) -> dict[str, Tensor]:
+        """Return ``{name: view}`` over tensors shaped like the flat parameters."""
+        items = self.per_group_tensors(tensors, "views_of()", exact=False)
+        splits = [group.split(t) for group, t in zip(self._groups, items)]
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return {
+            name: splits[slot.group_index][slot.index]
+            for slot in self._slots
+            for name in self._live(slot, modules, remove_duplicate)
+        }
+
+    # ------------------------------------------------------------ mode toggles
+    def flatten(self) -> None:
+        """Switch to flat mode (a no-op in flat mode), all or nothing."""
+        if not self._flattened:
+            atomically(self.flatten_in)
+
+    def flatten_in(self, tx: Transaction) -> None:
+        """Flatten as part of ``tx`` (a no-op in flat mode)."""
+        if self._flattened:
+            return
+        surgery.flatten_module(self, tx)
+        tx.set_attr(self, "_flattened", True)
+        surgery.refresh_originals(self._groups, self._slots, tx)
+
+    def unflatten(self) -> None:
+        """Switch to unflattened mode (a no-op there), all or nothing.
+
+        Raises:
+            RuntimeError: inside ``using()``.
+        """
+        if not self._flattened:
+            return
+        if self.using_depth:
+            raise RuntimeError(
+                "cannot unflatten inside storage.using(...): the views are served from the "
+                "given tensors; leave the using() block first"
+            )
+        self.sync_writes()
+        atomically(self._unflatten)
+        self.invalidate()
+
+    def _unflatten(self, tx: Transaction) -> None:
+        surgery.unflatten_module(self, tx)
+        tx.set_attr(self, "_flattened", False)
+
+    def mark_removed(self, tx: Transaction) -> None:
+        """Record, as part of ``tx``, that the module no longer has this storage's views."""
+        tx.set_attr(self, "_flattened", False)
+
+    @contextmanager
+    def unflattened(self) -> Iterator[StorageCore]:
+        """Run a block in unflattened mode, then restore the previous mode (also on error)."""
+        was_flat = self._flattened
+        self.unflatten()
+        try:
+            yield self
+        finally:
+            if was_flat:
+                self.flatten()
+
+    @contextmanager
+    def using(self, flat_tensors: FlatTensors) -> Iterator[None]:
+        """Serve every view from ``flat_tensors`` instead of the flat parameters (``FlatStorage.using``)."""
+        if not self._flattened:
+            raise RuntimeError(
+                "storage.using(...) needs flat mode; it was called in unflattened mode "
+                "(inside unflattened() or after unflatten()); call flatten() first"
+            )
+        items = [t.contiguous() for t in self.per_group_tensors(flat_tensors, "using()", exact=True)]
+        params: dict[str, Any] = self.module._parameters
+        flat_names = [group.flat_name for group in self._groups]
+        saved = [params[name] for name in flat_names]
+        for name, tensor in zip(flat_names, items):
+            params[name] = tensor
+        self.using_depth += 1
+        try:
+            yield
+        finally:
+            for name, tensor in zip(flat_names, saved):
+                params[name] = tensor
+            self.using_depth -= 1
+            self.invalidate()
+
+    def invalidate(self) -> None:
+        """Drop every cached view (landing pending `.data` writes first)."""
+        surgery.invalidate(self._groups)
+
+    # ------------------------------------------------------------ write paths
+    def sync_writes(self) -> None:
+        """Land the writes made around the views since the last call, or refuse them.
+
+        A replaced flat parameter (``module.flat_param_0 = p``,
+        ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
+        into a flattened module's ``_parameters`` and tensors assigned to a
+        view's ``.data`` are copied into their slots (see ``_core/writes.py``).
+        Does nothing in unflattened mode.
+
+        Raises:
+            RuntimeError: for a write that cannot land (it is undone).
+        """
+        root = self._root_ref()
+        if root is None or registered_storage(root) is not self:
+            return  # detached
+        if not self._flattened or self.pending is not None:
+            return
+        if not self.using_depth:
+            params = root._parameters
+            replaced: list[tuple[Group, Any]] = []
+            for group in self._groups:
+                current = params.get(group.flat_name)
+                # A plain tensor there is functional_call's substitute; a tensor subclass is
+                # another engine's (FSDP2 registers DTensor parameters): both are left alone.
+                adoptable = (nn.Parameter, FlatParameter)
+                substitute = isinstance(current, Tensor) and type(current) not in adoptable
+                if current is group.flat or substitute:
+                    continue
+                try:
+                    check_flat_replacement(group, current)
+                except RuntimeError:
+                    params[group.flat_name] = group.flat  # refused: the flat parameter is back
+                    raise
+                replaced.append((group, current))
+            if replaced:
+                self.adopt_replacements(replaced)
+        land_direct_writes(self.members())
+        for group in self._groups:
+            group.views.sync()
+
+    def adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
+        """Adopt parameters registered in flat parameters' places, all or nothing.
+
+        Each becomes its group's ``FlatParameter`` (re-classed in place, with the
+        layout); on failure the old flat parameters are back and the new ones
+        keep their class.
+        """
+        classes = [type(param) for _, param in replaced]
+        try:
+            self.adopt_flat_params()
+        except BaseException:
+            params = self.module._parameters
+            for (group, param), cls in zip(replaced, classes):
+                params[group.flat_name] = group.flat
+                self._set_group(group)
+                if type(param) is not cls:
+                    param.__class__ = cls
+            surgery.refresh_originals(self._groups, self._slots)
+            raise
+
+    def adopt_flat_params(self) -> None:
+        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
+        root = self.module
+        for group in self._groups:
+            flat = surgery.rewrap_flat_param(root, group)
+            if flat is not group.flat:
+                self._set_group(dataclasses.replace(group, flat=flat))
+        for group in self._groups:
+            surgery.zero_padding(group.flat, group.layout)  # e.g. to_empty() leaves garbage there
+        self.flat_buffers_replaced()  # a converted or moved buffer left its offload file, say
+
+    def _set_group(self, group: Group) -> None:
+        groups = list(self._groups)
+        groups[group.index] = group
+        self._groups = tuple(groups)
+
+    # ------------------------------------------------------------ state dicts
+    def flat_state_dict(self) -> OrderedDict[str, Any]:
+        """Return the module's state dict in flat form (see ``FlatStorage.flat_state_dict``)."""
+        plain = self.module.state_dict()
+        out: OrderedDict[str, Any] = OrderedDict()
+        out._metadata = getattr(plain, "_metadata", OrderedDict())  # type: ignore[attr-defined]
+        for group in self._groups:
+            out[group.flat_name] = self._current_flat(group, plain)
+            out[flat_layout_name(group.name)] = layout_record(group)
+        flattened = self.live_names()  # a replaced submodule's entries are its own, ordinary ones
+        for key, value in plain.items():
+            if key not in flattened:
+                out[key] = value
+        return out
+
+    def _current_flat(self, group: Group, plain: Mapping[str, Tensor]) -> Tensor:
+        """Return group's values as one tensor: the flat buffer, or a synced copy if unflattened
+        parameters were reassigned (without changing anything)."""
+        flat = group.flat.detach()
+        if self._flattened:
+            return flat
+        targets = group.split(flat)
+        live = self.live_names()
+        stale = [
+            s for s in group.members if s.name in live and not same_memory(plain[s.name], targets[s.index])
+        ]
+        if not stale:
+            return flat
+        with torch.no_grad():
+            synced = flat.clone()
+            synced_targets = group.split(synced)
+            for slot in stale:
+                synced_targets[slot.index].copy_(plain[slot.name])
+        return synced
+
+    def __getstate__(self) -> None:
+        # The registered module pickles itself with a record of its storage (``pickling.py``).
+        raise RuntimeError(
+            "a FlatStorage cannot be pickled on its own; pickle the registered module "
+            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
+        )
