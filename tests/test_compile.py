@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
+import pytest
 import torch
 import torch._dynamo
 from torch import nn
@@ -74,6 +76,24 @@ def test_training_loop_recompiles_no_more_than_the_plain_model():
     assert counts[1] == counts[0] == 1
 
 
+@pytest.fixture
+def fresh_inductor_cache() -> Iterator[None]:
+    """Compile with inductor into an empty cache directory, removed afterwards.
+
+    Inductor's on-disk caches (FX graph cache, precompiled header) are keyed without the
+    vector ISA that ATEN_CPU_CAPABILITY selects (torch 2.13): after a run under avx512, a
+    run under avx2 on the same machine reuses the kernel source generated for 16-lane
+    vectors, builds it with 8-lane ones and computes wrong values (0.73 off), and one under
+    default fails to compile it (``at::vec`` undeclared). A private cache makes the test
+    depend on this run only.
+    """
+    from torch._inductor.utils import fresh_inductor_cache
+
+    with fresh_inductor_cache():
+        yield
+
+
+@pytest.mark.usefixtures("fresh_inductor_cache")
 def test_compiled_default_backend_matches_eager_training():
     """With the default backend a flattened model compiles and trains like the eager plain model."""
     plain = TiedLM()
