@@ -38,50 +38,12 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from .._core.features import Coordinator, in_flat_mode, storage_of
+from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
 
 __all__ = ["GradSync"]
 
 #: The reductions ``all_reduce_grads`` accepts.
 REDUCE_OPS = ("mean", "sum")
-
-_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
-_will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
-
-
-def _current_node() -> Any:
-    """Return the autograd node this thread is running (``None`` outside backward)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return None if current is None else current()
-
-
-def _queue_callback(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def _process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:
-    """Check ``group`` and the distributed state; return ``(group, world size)``."""
-    if not dist.is_available():
-        raise RuntimeError(
-            f"{what} needs torch.distributed, which this build of torch lacks; "
-            "install a torch build with distributed support"
-        )
-    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{what}: this rank is not a member of the given process group (dist.new_group "
-            "returned NON_GROUP_MEMBER here); call it only on the ranks of that group"
-        )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{what}: group must be a torch.distributed ProcessGroup or None (the default group); "
-            f"got {type(process_group).__name__} {process_group!r}; pass a group made by dist.new_group(...)"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{what} needs an initialized default process group; none is initialized in this "
-            "process; call torch.distributed.init_process_group(...) first"
-        )
-    return process_group, dist.get_world_size(process_group)
-
 
 def _check_op(op: Any) -> str:
     if not isinstance(op, str):
@@ -178,11 +140,11 @@ class _Prescale:
         if state.hooked[g] is not flat or flat.grad is not None or len(flat._backward_hooks or ()) != 1:
             return None
         try:
-            if not _will_execute(state.accumulators[g]):
+            if not will_execute(state.accumulators[g]):
                 return None
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
             return None
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._task != task:
             self._task, self._outs = task, []
         return state.world
@@ -200,11 +162,11 @@ class _Prescale:
         """
         sync = self._ref()
         state = None if sync is None else sync.state
-        outs = self._outs if self._task == _graph_task_id() else []
+        outs = self._outs if self._task == graph_task_id() else []
         self._task, self._outs = None, []  # let accumulation take the gradient without a copy
         if state is None or not outs:
             return None
-        state.prescaled[self._index] = _graph_task_id()
+        state.prescaled[self._index] = graph_task_id()
         if len(outs) == 1 and grad.data_ptr() == outs[0].data_ptr():
             return None  # the divided gradient is the whole gradient
         divided = outs[0] if len(outs) == 1 else torch.stack(outs).sum(0)
@@ -284,7 +246,7 @@ class GradSync:
     def all_reduce(self, process_group: dist.ProcessGroup | None, op: str) -> None:
         """All-reduce every flat gradient (see ``FlatStorage.all_reduce_grads``)."""
         op = _check_op(op)
-        pg, world = _process_group(process_group, "all_reduce_grads()")
+        pg, world = checked_process_group(process_group, "all_reduce_grads()")
         storage = self._storage
         with in_flat_mode(storage):
             grads = [_flat_grad(g.flat) for g in storage.groups() if g.flat.requires_grad]
@@ -299,7 +261,7 @@ class GradSync:
                 f"broadcast_params(): src must be an int (a global rank); got {type(src).__name__} "
                 f"{src!r}; pass e.g. src=0"
             )
-        pg, world = _process_group(process_group, "broadcast_params()")
+        pg, world = checked_process_group(process_group, "broadcast_params()")
         ranks = list(range(world)) if pg is None else dist.get_process_group_ranks(pg)
         if src not in ranks:
             raise ValueError(
@@ -318,7 +280,7 @@ class GradSync:
     # ------------------------------------------------------- sync in backward
     def enable(self, process_group: dist.ProcessGroup | None) -> None:
         """Start syncing in backward (see ``FlatStorage.enable_grad_sync``)."""
-        pg, world = _process_group(process_group, "enable_grad_sync()")
+        pg, world = checked_process_group(process_group, "enable_grad_sync()")
         if self.state is not None:
             raise RuntimeError(
                 "enable_grad_sync(): grad sync is already enabled on this storage; call "
@@ -392,10 +354,10 @@ class GradSync:
         state = self.state
         if state is None or self.no_sync_depth:
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if state.task != task:
             state.begin(task)
-            _queue_callback(lambda: self._backward_end(state))
+            queue_callback(lambda: self._backward_end(state))
         if state.ready[g]:
             return
         state.ready[g] = True
@@ -418,7 +380,7 @@ class GradSync:
 
     def _backward_end(self, state: _SyncState) -> None:
         """Engine callback: reduce what is left, wait for every collective, learn the order."""
-        enclosing = _current_node()
+        enclosing = current_node()
         if enclosing is not None:  # the end of a nested backward, not of the user's backward
             state.begin(None)
             raise RuntimeError(

@@ -46,15 +46,8 @@ from torch import Tensor
 
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
-from .grad_sync import (
-    _current_node,
-    _graph_task_id,
-    _process_group,
-    _queue_callback,
-    grad_sync_of,
-    sync_enabled,
-    sync_paused,
-)
+from .engine import checked_process_group, current_node, graph_task_id, queue_callback
+from .grad_sync import grad_sync_of, sync_enabled, sync_paused
 from .shard import Shard, all_gather, reduce_scatter
 from .sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
 
@@ -154,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_class(optimizer_class, allow_unlisted)
         groups = param_groups(core, params)
         _check_unclaimed(core, [p for g in groups for p in g["params"]])
-        pg, world = _process_group(process_group, "ShardedOptimizer")
+        pg, world = checked_process_group(process_group, "ShardedOptimizer")
         if sync_enabled(core):
             raise RuntimeError(_TWICE)
         self._storage_ref = weakref.ref(core)
@@ -311,10 +304,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
         if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._task != task:
             self._begin(task)
-            _queue_callback(self._backward_end)
+            queue_callback(self._backward_end)
         self._ready.add(index)
         self._launch(final=False)
 
@@ -371,7 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _backward_end(self) -> None:
         """Engine callback: start what is left, wait for every reduction."""
-        enclosing = _current_node()
+        enclosing = current_node()
         if enclosing is not None:
             self._begin(None)
             raise RuntimeError(
