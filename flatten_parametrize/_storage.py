@@ -510,8 +510,9 @@ class FlatStorage:
         Raises:
             TypeError: if ``group`` is not a process group.
             ValueError: if this rank is not a member of ``group``.
-            RuntimeError: if no default process group is initialized, or grad
-                sync is already enabled on this storage.
+            RuntimeError: if no default process group is initialized, grad
+                sync is already enabled on this storage, or a ``ShardedOptimizer``
+                that still exists syncs its gradients (each would be reduced twice).
 
         Example:
             >>> import torch
@@ -561,7 +562,7 @@ class FlatStorage:
             ...         model(x).sum().backward()
             >>> model(micro_batches[-1]).sum().backward()  # syncs the sum, if enabled
         """
-        with self._feature(GradSync).paused():
+        with self._core.no_sync():
             yield
 
     @property

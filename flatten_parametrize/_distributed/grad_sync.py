@@ -27,8 +27,7 @@ backward on (as DDP rebuilds its buckets after the first iteration).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -38,12 +37,20 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from .._core.features import Coordinator, in_flat_mode, storage_of
+from .._core.grad import claim_sync
 from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
 
 __all__ = ["GradSync"]
 
 #: The reductions ``all_reduce_grads`` accepts.
 REDUCE_OPS = ("mean", "sum")
+
+#: What a ``ShardedOptimizer`` built while grad sync is enabled is told (the sync claim of every group).
+_CLAIM = (
+    "the storage's grad sync is enabled and reduces every flat gradient (each would be reduced twice); "
+    "call storage.disable_grad_sync() first"
+)
+
 
 def _check_op(op: Any) -> str:
     if not isinstance(op, str):
@@ -123,6 +130,9 @@ class _Prescale:
 
     __slots__ = ("_index", "_outs", "_ref", "_task")
 
+    #: Sync keeps the whole flat gradient: the buffer may reuse its memory.
+    releases_gradient = False
+
     def __init__(self, ref: weakref.ref[GradSync], group_index: int) -> None:
         self._ref = ref
         self._index = group_index
@@ -134,7 +144,7 @@ class _Prescale:
         if sync is None:
             return None
         state = sync.state
-        if state is None or sync.no_sync_depth or not state.may_prescale:
+        if state is None or sync.is_paused() or not state.may_prescale:
             return None
         g = self._index
         if state.hooked[g] is not flat or flat.grad is not None or len(flat._backward_hooks or ()) != 1:
@@ -152,6 +162,7 @@ class _Prescale:
     def grad_ready(self, grad: Tensor, divided: bool) -> None:
         if divided:
             self._outs.append(grad)
+        return None
 
     def before_accumulation(self, grad: Tensor) -> Tensor | None:
         """Tensor hook of the flat parameter: mark a gradient divided in backward, correct a mixed one.
@@ -223,12 +234,15 @@ class GradSync:
         self._storage_ref = weakref.ref(storage)
         #: The state of ``enable_grad_sync`` (``None``: not enabled).
         self.state: _SyncState | None = None
-        #: Depth of nested ``no_sync()`` blocks.
-        self.no_sync_depth = 0
 
     @property
     def _storage(self) -> Coordinator:
         return storage_of(self._storage_ref)
+
+    def is_paused(self) -> bool:
+        """Return whether a ``no_sync()`` block of the storage is open (or the storage is gone)."""
+        storage = self._storage_ref()
+        return storage is None or bool(storage.no_sync_depth)
 
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:
@@ -288,6 +302,8 @@ class GradSync:
             )
         storage = self._storage
         module = storage.module
+        buffers = [group.views.grad_buffer for group in storage.groups()]
+        claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
         _drop_forward_hooks(module)  # inert leftovers of a deep-copied module
         state = _SyncState(pg, world, len(storage.groups()))
         self.state = state
@@ -308,21 +324,15 @@ class GradSync:
                         group.views.grad_buffer.remove_hook(prescale)
             if state.forward_handle is not None:
                 state.forward_handle.remove()
+        if storage is not None:
+            for group in storage.groups():
+                group.views.grad_buffer.release_sync(self)
         try:
             module = None if storage is None else storage.module_unchecked
         except RuntimeError:  # the module was garbage collected
             module = None
         if module is not None:
             _drop_forward_hooks(module)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Skip sync inside the block (see ``FlatStorage.no_sync``)."""
-        self.no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self.no_sync_depth -= 1
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:
@@ -352,7 +362,7 @@ class GradSync:
     def grad_ready(self, g: int) -> None:
         """Hook body: group ``g``'s flat gradient is final for this backward."""
         state = self.state
-        if state is None or self.no_sync_depth:
+        if state is None or self.is_paused():
             return
         task = graph_task_id()
         if state.task != task:
@@ -420,24 +430,3 @@ def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], N
             sync.grad_ready(g)
 
     return hook
-
-
-def grad_sync_of(core: Coordinator) -> GradSync:
-    """Return the gradient-sync feature of ``core``, composing it on first use."""
-    sync = core.feature(GradSync)
-    if sync is None:
-        sync = GradSync(core)
-        core.add_feature(sync)
-    return sync
-
-
-def sync_enabled(core: Coordinator) -> bool:
-    """Return whether the storage's own grad sync (``enable_grad_sync``) is on."""
-    sync = core.feature(GradSync)
-    return sync is not None and sync.state is not None
-
-
-def sync_paused(core: Coordinator) -> bool:
-    """Return whether a ``no_sync()`` block of the storage is open."""
-    sync = core.feature(GradSync)
-    return sync is not None and bool(sync.no_sync_depth)

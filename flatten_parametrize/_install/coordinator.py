@@ -90,6 +90,9 @@ class StorageCore:
         self._flattened = flattened
         #: Depth of nested ``using()`` blocks.
         self.using_depth = 0
+        #: Depth of nested ``no_sync()`` blocks: gradient sync (the storage's or a
+        #: ``ShardedOptimizer``'s) reduces nothing while it is not 0.
+        self.no_sync_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self.pending: list[StagedValue] | None = None
         #: The modules this storage changed, with their state (recorded at registration).
@@ -221,6 +224,15 @@ class StorageCore:
     def remove_feature(self, feature: Feature) -> None:
         """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
         self.features = [f for f in self.features if f is not feature]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Have gradient sync skip the backward passes inside the block (``FlatStorage.no_sync``)."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1
 
     def flat_buffers_replaced(self) -> None:
         """Re-point the originals and views after flat buffers were swapped; notify every feature.
