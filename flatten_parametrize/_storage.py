@@ -492,7 +492,8 @@ class FlatStorage:
           nested backward and is refused with a ``RuntimeError`` from
           ``backward``; use ``use_reentrant=False``.
         * A flat parameter replaced by ``module.to()`` gets its hook again at
-          the next forward of the registered module.
+          once; a group unfrozen later (``requires_grad_(True)``) gets it at the
+          next forward of the registered module.
         * Where the backend cannot average inside the collective (gloo),
           backward divides a flat gradient by the world size while copying it
           together and the collective only sums, saving a pass over the

@@ -25,6 +25,9 @@ class Recorder:
     def on_rebacked(self) -> None:
         self.calls.append("rebacked")
 
+    def refresh(self) -> None:
+        pass  # called at every sync point
+
     def on_removed(self) -> None:
         self.calls.append("removed")
 

@@ -43,7 +43,10 @@ class Feature(Protocol):
     """The lifecycle the coordinator drives on each of its features."""
 
     def on_rebacked(self) -> None:
-        """Flat parameters were re-backed or replaced (``module.to()``, a swapped buffer)."""
+        """Flat parameters were re-backed or replaced, or written behind their version counters."""
+
+    def refresh(self) -> None:
+        """A sync point (the registered module's forward, among others): check what may have changed."""
 
     def on_removed(self) -> None:
         """The storage was removed from its module: release files, hooks and the like."""

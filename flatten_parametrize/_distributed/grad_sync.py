@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
@@ -101,7 +101,6 @@ class _SyncState:
         #: Whether backward may divide gradients as it builds them: only where the collective
         #: cannot average by itself (gloo; NCCL has ``ReduceOp.AVG``).
         self.may_prescale = world > 1 and "nccl" not in str(dist.get_backend(process_group))
-        self.forward_handle: RemovableHandle | None = None
         #: Launch order shared by all ranks; ``None`` until the first synced backward ends.
         self.order: list[int] | None = None
         self.begin(None)
@@ -184,41 +183,6 @@ class _Prescale:
         return grad.sub(divided).div_(state.world).add_(divided)
 
 
-class _RehookOnForward:
-    """Root forward pre-hook: re-register the grad hooks on flat parameters that changed.
-
-    ``module.to()`` & co. may replace a flat parameter object; hooks registered
-    on the old object would be lost. A copy (``copy.deepcopy`` of the module)
-    is inert and removes itself at its first call.
-    """
-
-    def __init__(self, sync: GradSync | None) -> None:
-        self._ref = None if sync is None else weakref.ref(sync)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        sync = None if self._ref is None else self._ref()
-        if sync is None or sync.state is None:
-            _drop_forward_hooks(module, only=self)
-            return
-        sync.rehook()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _RehookOnForward:
-        return _RehookOnForward(None)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_RehookOnForward, (None,))
-
-
-def _drop_forward_hooks(module: nn.Module, only: _RehookOnForward | None = None) -> None:
-    """Remove our forward pre-hooks (all of them, or just ``only``) from ``module``."""
-    hooks = module._forward_pre_hooks
-    for key, hook in list(hooks.items()):
-        if isinstance(hook, _RehookOnForward) and (only is None or hook is only):
-            del hooks[key]
-
-
 class GradSync:
     """The data-parallel feature of a storage: collectives over whole flat parameters, sync in backward.
 
@@ -246,7 +210,16 @@ class GradSync:
 
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:
-        """A replaced flat parameter gets its hooks at the next forward (``_RehookOnForward``)."""
+        """Hook the flat parameters that ``module.to()`` & co. replaced (at once: the next backward syncs)."""
+        self.rehook()
+
+    def refresh(self) -> None:
+        """Hook a group unfrozen since (``requires_grad_(True)``): nothing notifies that change.
+
+        The core calls this at its sync points, the registered module's
+        forward among them, so the backward of that forward is synced.
+        """
+        self.rehook()
 
     def on_removed(self) -> None:
         """Remove every hook that sync added."""
@@ -301,13 +274,10 @@ class GradSync:
                 "disable_grad_sync() first to change the process group"
             )
         storage = self._storage
-        module = storage.module
+        _ = storage.module  # raises for a detached storage
         buffers = [group.views.grad_buffer for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
-        _drop_forward_hooks(module)  # inert leftovers of a deep-copied module
-        state = _SyncState(pg, world, len(storage.groups()))
-        self.state = state
-        state.forward_handle = module.register_forward_pre_hook(_RehookOnForward(self))
+        self.state = _SyncState(pg, world, len(storage.groups()))
         self.rehook()
 
     def disable(self) -> None:
@@ -322,17 +292,9 @@ class GradSync:
                 for group, prescale in zip(storage.groups(), state.prescales):
                     if prescale is not None:
                         group.views.grad_buffer.remove_hook(prescale)
-            if state.forward_handle is not None:
-                state.forward_handle.remove()
         if storage is not None:
             for group in storage.groups():
                 group.views.grad_buffer.release_sync(self)
-        try:
-            module = None if storage is None else storage.module_unchecked
-        except RuntimeError:  # the module was garbage collected
-            module = None
-        if module is not None:
-            _drop_forward_hooks(module)
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:

@@ -739,6 +739,9 @@ class _Member:
         if opt is not None:
             opt._follow(strict=False)
 
+    def refresh(self) -> None:
+        return None  # replacements come with on_rebacked; step() checks .data swaps nothing notifies
+
     def on_removed(self) -> None:
         self.leave()
 
