@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import weakref
 from typing import Any
 
 import pytest
@@ -190,3 +192,169 @@ def test_a_flat_gradient_hook_may_replace_the_gradient(create_graph):
     assert storage["0"].grad.dtype == torch.float32
     for name, param in plain.named_parameters():
         torch.testing.assert_close(dict(storage.named_grads())[name], 2 * param.grad, msg=name)
+
+
+# ------------------------------------------------- the seams a mixed-precision compute copy needs
+
+
+class ToMaster:
+    """The flat-gradient hook of one group: converts the (float64) gradient to the master's dtype."""
+
+    releases_gradient = False
+
+    def __init__(self, feature: Float64Copy, g: int) -> None:
+        self.feature, self.g = feature, g
+
+    def divisor(self, flat: torch.Tensor) -> int | None:
+        return None
+
+    def grad_ready(self, grad: torch.Tensor, divided: bool) -> torch.Tensor:
+        self.feature.converted += 1
+        return grad.to(self.feature.core().groups()[self.g].flat.dtype)
+
+
+class Float64Copy:
+    """A tiny compute-copy feature: each group's views are served from a float64 copy of its flat parameter.
+
+    The copy is cast once per group, and only after the master changed: at the core's sync points
+    (``refresh``: each forward) it compares the flat parameter's identity, memory and version with
+    what it cast; ``on_rebacked`` covers what those do not show. It counts its casts.
+    """
+
+    def __init__(self, core: Any, convert: bool = True) -> None:
+        self.core = weakref.ref(core)
+        self.casts = self.sourced = self.converted = 0
+        self.copies: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, tuple[Any, ...]] = {}
+        for group in core.groups():
+            group.views.source = functools.partial(self.source, group.index)
+            if convert:
+                group.views.grad_buffer.add_hook(ToMaster(self, group.index))
+            group.views.invalidate()
+        core.add_feature(self)
+
+    def source(self, g: int, flat: torch.Tensor) -> torch.Tensor:
+        """``GroupViews.source``: the copy for the master, a cast of anything else (``using()``)."""
+        self.sourced += 1
+        group = self.core().groups()[g]
+        if flat is not group.flat:
+            return flat.detach().to(torch.float64)
+        self._fresh(group, rebuilding=True)
+        return self.copies[g]
+
+    def _fresh(self, group: Any, rebuilding: bool = False) -> None:
+        flat = group.flat
+        stamp = (id(flat), flat.data_ptr(), flat.dtype, flat._version)
+        if self.seen.get(group.index) == stamp:
+            return
+        copy_ = self.copies.get(group.index)
+        with torch.no_grad():
+            if copy_ is not None and copy_.device == flat.device:
+                copy_.copy_(flat)  # in place: the cached views alias the copy
+            else:
+                self.copies[group.index] = flat.detach().to(torch.float64)
+                if not rebuilding:
+                    group.views.invalidate()
+        self.casts += 1
+        self.seen[group.index] = stamp
+
+    # the Feature lifecycle
+    def refresh(self) -> None:
+        for group in self.core().groups():
+            self._fresh(group)
+
+    def on_rebacked(self) -> None:
+        self.seen.clear()
+        self.refresh()
+
+    def on_removed(self) -> None:
+        for group in self.core().groups():
+            group.views.source = None
+
+    def copy_for(self, storage: Any, memo: dict[int, Any]) -> None:
+        return None
+
+
+def _copied(convert: bool = True) -> tuple[nn.Module, nn.Module, Any, Float64Copy]:
+    model = mlp(2)
+    plain = copy.deepcopy(model).double()
+    storage = register_flat_storage(model, [[model[0]], [model[2]]])
+    return model, plain, storage, Float64Copy(core_of(storage), convert)
+
+
+def _served_from_the_masters(storage: Any) -> None:
+    expected = storage.views_of([flat.detach().double() for flat in storage.flat_params])
+    for name, view in storage.named_views():
+        assert view.dtype == torch.float64 and torch.equal(view, expected[name]), name
+
+
+@pytest.mark.parametrize("convert", [True, False], ids=["hook-converts", "autograd-casts"])
+def test_views_served_from_another_tensor_train_the_master(convert):
+    """Views are the copy's (float64); gradients reach flat.grad in the master's dtype, as the plain's."""
+    model, plain, storage, feature = _copied(convert)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    out = model(x)
+    assert out.dtype == torch.float64 and torch.equal(out, plain(x))
+    out.sum().backward()
+    plain(x).sum().backward()
+    assert feature.converted == (2 if convert else 0)
+    for flat in storage.flat_params:
+        assert flat.grad is not None and flat.grad.dtype == torch.float32
+    grads = dict(storage.named_grads())
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad.float(), msg=name)
+    with torch.no_grad():
+        assert model[0].weight.dtype == torch.float64
+    with torch.inference_mode():
+        assert torch.equal(model(x), plain(x))
+
+
+def test_the_copy_is_cast_once_per_group_and_only_after_the_master_changed():
+    """No cast per read or forward; one per changed group after a step, load, write, .to(), flatten()."""
+    model, plain, storage, feature = _copied()
+    x = torch.randn(3, 5, dtype=torch.float64)
+    for _ in range(3):
+        model(x).sum().backward()
+    assert feature.casts == 2  # one per group
+    sourced = feature.sourced
+    for _ in range(100):
+        _ = model[0].weight, model[2].bias  # cached reads: nothing asks the source
+    assert feature.sourced == sourced
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()  # in place: bumps each flat parameter's version
+    model(x)
+    assert feature.casts == 4
+    _served_from_the_masters(storage)
+    model(x)
+    assert feature.casts == 4
+
+    model.load_state_dict(plain.float().state_dict())  # in place, both groups
+    model(x)
+    assert feature.casts == 6
+    _served_from_the_masters(storage)
+
+    with torch.no_grad():
+        storage["1"].add_(1)  # an in-place write of one master: one cast
+    model(x)
+    assert feature.casts == 7
+    _served_from_the_masters(storage)
+
+    with storage.unflattened():
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # a leaf of unflattened mode: no version bump of the flat parameter
+    assert feature.casts == 9  # flatten() tells on_rebacked
+    _served_from_the_masters(storage)
+
+    model.double()  # replaced buffers: on_rebacked
+    assert feature.casts == 11 and storage["0"].dtype == torch.float64
+    _served_from_the_masters(storage)
+
+
+def test_substitutes_are_served_from_their_own_cast_not_the_copy():
+    """using() / functional_call substitutes reach the source too: it serves them, not the master's copy."""
+    model, plain, storage, _ = _copied()
+    zeros = [torch.zeros_like(f) for f in storage.flat_params]
+    with storage.using(zeros):
+        assert torch.equal(model[0].weight, torch.zeros(5, 5, dtype=torch.float64))
+    assert torch.equal(model[0].weight, plain[0].weight.detach())

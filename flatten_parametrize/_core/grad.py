@@ -254,14 +254,18 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
     """
 
     @staticmethod
-    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:
+    def forward(
+        flat: Tensor, layout: GroupLayout, buffer: GradBuffer, source: Tensor | None = None
+    ) -> tuple[Tensor, ...]:
         # Detached views of the buffer: they alias it and share its version counter, but
         # autograd sees plain outputs, not views of a function that returns several views.
         # So the outputs stay usable after in-place updates of the buffer (an optimizer
         # step): the cache serves them until the buffer is replaced, and autograd's own
         # check still refuses a backward whose saved weights were changed in place, with
         # the plain model's message. Wrapping a plain output is also cheap for autograd.
-        chunks = flat.detach().split(layout.split_sizes)
+        # With a ``source`` (``GroupViews.source``), the views are its slots; the gradient is still
+        # the flat tensor's (a cast's derivative is the identity).
+        chunks = (flat if source is None else source).detach().split(layout.split_sizes)
         # One-dimensional slots already have their shape: skip a view (a few us each).
         return tuple(
             (chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)).detach()
@@ -270,15 +274,16 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        flat, layout, buffer = inputs
+        flat, layout, buffer = inputs[:3]
+        served = inputs[3] if len(inputs) > 3 and inputs[3] is not None else flat
         ctx.layout = layout
         ctx.buffer = buffer
         ctx.flat = weakref.ref(flat)
-        ctx.like = (flat.dtype, flat.device)
+        ctx.like = (served.dtype, served.device)  # the views' gradients are of the served dtype
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None, None]:
         layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
         sizes = layout.split_sizes
@@ -288,7 +293,7 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
             out = torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device))
             for hook in hooks:
                 out = _ready(hook, out, False)
-            return out, None, None
+            return out, None, None, None
         out, segments, padding = buffer.take(layout, dtype, device)
         divisor, by = None, None
         if hooks and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
@@ -321,7 +326,7 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
                     torch.div(piece, divisor, out=chunk.view(piece.shape))
         for hook in hooks:
             out = _ready(hook, out, hook is by)
-        return out, None, None
+        return out, None, None, None
 
 
 def _ready(hook: FlatGradHook, grad: Tensor, divided: bool) -> Tensor:
