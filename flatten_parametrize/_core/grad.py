@@ -3,8 +3,10 @@
 :class:`_GroupSplit` makes every view of a group as the outputs of one
 autograd node; its backward builds the group's flat gradient in one go, in
 memory that :class:`GradBuffer` reuses across steps. The buffer also carries
-the group's :class:`FlatGradHook` objects: the seam where a feature sees (and
-may scale while it is built) each flat gradient as backward produces it.
+the group's :class:`FlatGradHook` objects, the seam where a feature sees each
+flat gradient as backward produces it (and may have it divided while it is
+built, or return a converted one), and the group's sync claim: who reduces
+its gradient across ranks (:func:`claim_sync`).
 """
 
 from __future__ import annotations

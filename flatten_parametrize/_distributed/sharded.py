@@ -22,6 +22,13 @@ Per training step:
 * ``step()``: the inner optimizer updates this rank's slices, then every
   slice is copied from its owner into every rank's flat buffer.
 
+The optimizer reaches its storage only through the core's seams (see
+``_core/features.py``): a ``_Member`` feature follows replaced flat
+parameters (``on_rebacked``) and leaves with the optimizer or the storage; it
+is the flat-gradient hook of each group it slices (ZeRO-2 releases full
+gradients, so the buffers keep no memory for them); each group's sync claim
+keeps a second optimizer and the storage's grad sync off its gradients.
+
 Collectives per backend, measured on gloo (``benchmarks/bench_zero.py
 --collectives``, 25 MiB bucket, 2 and 3 ranks): a broadcast from each owner
 gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
