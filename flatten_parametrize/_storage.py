@@ -492,7 +492,8 @@ class FlatStorage:
           nested backward and is refused with a ``RuntimeError`` from
           ``backward``; use ``use_reentrant=False``.
         * A flat parameter replaced by ``module.to()`` gets its hook again at
-          the next forward of the registered module.
+          once; a group unfrozen later (``requires_grad_(True)``) gets it at the
+          next forward of the registered module.
         * Where the backend cannot average inside the collective (gloo),
           backward divides a flat gradient by the world size while copying it
           together and the collective only sums, saving a pass over the
@@ -510,8 +511,9 @@ class FlatStorage:
         Raises:
             TypeError: if ``group`` is not a process group.
             ValueError: if this rank is not a member of ``group``.
-            RuntimeError: if no default process group is initialized, or grad
-                sync is already enabled on this storage.
+            RuntimeError: if no default process group is initialized, grad
+                sync is already enabled on this storage, or a ``ShardedOptimizer``
+                that still exists syncs its gradients (each would be reduced twice).
 
         Example:
             >>> import torch
@@ -561,7 +563,7 @@ class FlatStorage:
             ...         model(x).sum().backward()
             >>> model(micro_batches[-1]).sum().backward()  # syncs the sum, if enabled
         """
-        with self._feature(GradSync).paused():
+        with self._core.no_sync():
             yield
 
     @property

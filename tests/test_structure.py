@@ -3,6 +3,7 @@
 - no import cycle between modules (type-only and function-local imports included);
 - dependencies between sub-packages run one way (the layering in ``flatten_parametrize/__init__.py``);
 - no private name imported across sub-packages;
+- features meet only on ``_core``'s seams: none imports another's modules, none imports a private name;
 - no mixins, and no module but the coordinator's own reads its private attributes;
 - the public surface of ``FlatStorage`` and ``ShardedOptimizer`` is exactly the product contract's.
 
@@ -177,7 +178,36 @@ def private_imports(modules: dict[str, Path], found: list[Import]) -> list[str]:
     )
 
 
+def feature_crossings(found: list[Import], features: dict[str, set[str]]) -> list[str]:
+    """Return ``importer -> target`` for a feature importing another's module or any module's private name."""
+    owner = {module: feature for feature, modules in features.items() for module in modules}
+    bad = set()
+    for imp in found:
+        mine, theirs = owner.get(imp.importer), owner.get(imp.target)
+        if mine is not None and theirs is not None and mine != theirs:
+            bad.add(f"{imp.importer} -> {imp.target}")
+        private = imp.name is not None and imp.name.startswith("_") and not imp.name.endswith("__")
+        if mine is not None and private and imp.target != imp.importer:
+            bad.add(f"{imp.importer} -> {imp.target}.{imp.name}")
+    return sorted(bad)
+
+
 MODULES, IMPORTS = imports(PACKAGE)
+
+#: The features composed on the coordinator, with the modules that only each of them uses. They reach the
+#: coordinator and each other through ``_core``'s seams only (the feature lifecycle, the flat-gradient
+#: hook, the sync claim, ``no_sync``) and share ``_distributed/engine.py``'s public helpers.
+FEATURES = {
+    "grad sync": {"_distributed.grad_sync"},
+    "ShardedOptimizer": {
+        "_distributed.sharded",
+        "_distributed.sharded_state",
+        "_distributed.sharded_args",
+        "_distributed.shard",
+    },
+    "disk offload": {"_features.offload"},
+    "ensembles": {"_features.functional"},
+}
 
 # ----------------------------------------------------------------------------------- the rules
 
@@ -207,6 +237,15 @@ def test_no_private_name_is_imported_across_sub_packages():
     """A ``_name`` is imported only within its sub-package (or among the top-level modules)."""
     offenders = private_imports(MODULES, IMPORTS)
     assert offenders == [], f"private names imported across sub-packages: {offenders}"
+
+
+def test_features_meet_only_on_the_cores_seams():
+    """No feature imports another feature's module, nor a private name of any module."""
+    assert set().union(*FEATURES.values()) <= set(MODULES), sorted(
+        set().union(*FEATURES.values()) - set(MODULES)
+    )
+    offenders = feature_crossings(IMPORTS, FEATURES)
+    assert offenders == [], f"features reaching past the seams: {offenders}"
 
 
 def test_the_package_has_no_mixin_classes():
@@ -319,3 +358,5 @@ def test_the_checker_reports_every_kind_of_violation(tmp_path):
     assert import_cycles(import_graph(modules, found)) == [["_core.x", "_core.y"]]
     assert layering_violations(modules, found) == ["_core.a -> _install.b", "_state.nested.deep -> _top"]
     assert private_imports(modules, found) == ["_install.b -> _core.x._private", "_top -> _install.b._helper"]
+    features = {"b": {"_install.b"}, "x": {"_core.x"}, "deep": {"_state.nested.deep"}}
+    assert feature_crossings(found, features) == ["_install.b -> _core.x", "_install.b -> _core.x._private"]

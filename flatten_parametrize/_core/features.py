@@ -1,30 +1,63 @@
-"""How a feature plugs into the coordinator: the lifecycle it follows and the interface it sees.
+"""How a feature plugs into the coordinator: the seams it may use, and nothing else.
 
-``FlatStorage`` composes its features (gradient sync in ``_distributed.py``,
-disk backing in ``_offload.py``, ensembles in ``_functional.py``): each is an
-object that owns its state, holds the coordinator weakly and sees it only
-through ``_records.Coordinator``. The coordinator calls each feature's
-:class:`Feature` lifecycle:
+:class:`Feature` is the library's **private** protocol: it is not in the
+product contract's public surface, users never implement it, and it may
+change with the library. (Users hold ``FlatStorage``; a feature sees the
+private core through ``records.Coordinator``.) The features are gradient sync
+(``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``_Member``
+(``_distributed/sharded.py``), disk backing (``_features/offload.py``) and
+ensembles (``_features/functional.py``); each owns its state, holds the core
+weakly, and reads nothing of another feature (``tests/test_structure.py``
+checks their imports). The seams, all of them:
 
-* ``on_rebacked()``: the "flat buffer replaced" notification, after
-  ``module.to()`` & co. re-backed or replaced flat parameters and after a
-  feature swapped a buffer itself (``coordinator.flat_buffers_replaced()``);
-* ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
-  parameters in RAM by then);
-* ``copy_for(new, memo)``: ``copy.deepcopy`` of the module (``None``: the copy
-  goes without the feature). A pickled model is registered again on load
-  and starts with fresh features (no grad sync, buffers in RAM).
+* **Composition**: ``core.feature(kind)``, ``core.add_feature(f)``,
+  ``core.remove_feature(f)``. The facade composes the built-in features on
+  first use; a ``ShardedOptimizer`` adds its own at construction and removes
+  it when it is garbage collected.
+* **Lifecycle** (:class:`Feature`), driven by the core:
 
-The built-in features are created with the coordinator; a feature made later
-(a sharded optimizer, say) joins with ``storage.add_feature(feature)`` and
-leaves with ``storage.remove_feature(feature)``.
+  - ``on_rebacked()``, "buffers replaced": after ``module.to()`` & co.
+    re-backed, converted or replaced flat parameters (also a flat parameter
+    assigned in a flat parameter's place), after a feature swapped a buffer
+    itself (``core.flat_buffers_replaced()``: disk offload and load), and after
+    ``flatten()`` (the leaf parameters of unflattened mode have version
+    counters of their own, so their in-place updates changed the buffers
+    unseen). The views were dropped before it runs.
+  - ``refresh()``, "sync point": at the end of ``core.sync_writes()`` in flat
+    mode, i.e. before each eager forward of the registered module (its
+    forward pre-hook), ``named_views``/``named_grads``/``flat_params``, state
+    dicts, mode toggles, deep copy, pickling, removal and before every
+    optimizer step. The place for cheap checks of what nothing notifies.
+  - ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
+    parameters in RAM by then).
+  - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the
+    copy goes without the feature). A pickled model is registered again on
+    load and starts with fresh features (no grad sync, buffers in RAM).
 
-The autograd path has its own seam, per group: a ``_grad.FlatGradHook``
-registered with ``group.views.grad_buffer.add_hook`` sees (and may scale while
-it is built) each flat gradient in backward. A sharded optimizer would plug
-into both seams (reduce-scatter when a flat gradient is ready, re-pad when a
-buffer is replaced); a mixed-precision feature would keep its low-precision
-copy of each buffer up to date in ``on_rebacked``.
+* **"Values changed"**: a feature that derives something from the masters'
+  values (a low-precision compute copy) compares, per group, the flat
+  parameter's identity, ``data_ptr()``, dtype and ``_version`` with what it
+  saw, in ``refresh()``: no tensor op, and nothing on the view-read path. Every
+  in-place update bumps ``_version``: optimizer steps (``ShardedOptimizer``'s
+  gather too), ``load_state_dict`` in flat mode, landed ``.data`` writes,
+  ``broadcast_params``, a ``copy_`` into the flat parameter or into a view of
+  it. What ``_version`` does not show comes with ``on_rebacked()`` (above).
+  Not covered before the next sync point: a view read outside the registered
+  module's forward (a submodule called on its own) right after an in-place
+  update.
+* **Views from another tensor**: ``group.views.source`` (see
+  ``view_cache.GroupViews``), a function ``flat -> tensor`` asked only when a
+  group's cache is rebuilt; the feature updates its tensor in place, or sets a
+  new one and calls ``group.views.invalidate()``.
+* **The autograd path**, per group, on ``group.views.grad_buffer``
+  (``grad.GradBuffer``): ``add_hook(h)`` / ``remove_hook(h)`` with a
+  ``grad.FlatGradHook`` that sees each flat gradient while backward builds it
+  (may have it divided, may return a converted one; ``releases_gradient``
+  stops the buffer's memory reuse); and the sync claim (``claim_sync`` /
+  ``release_sync``): one owner at a time reduces a group's gradient across
+  ranks, a second is refused with the holder's message.
+* **``no_sync``**: ``core.no_sync()`` / ``core.no_sync_depth``, shared by
+  every gradient-syncing feature.
 """
 
 from __future__ import annotations
@@ -40,10 +73,13 @@ __all__ = ["Coordinator", "Feature", "in_flat_mode", "storage_of"]
 
 
 class Feature(Protocol):
-    """The lifecycle the coordinator drives on each of its features."""
+    """The lifecycle the coordinator drives on each of its features (a private protocol: see above)."""
 
     def on_rebacked(self) -> None:
-        """Flat parameters were re-backed or replaced (``module.to()``, a swapped buffer)."""
+        """Flat parameters were re-backed or replaced, or written behind their version counters."""
+
+    def refresh(self) -> None:
+        """A sync point (the registered module's forward, among others): check what may have changed."""
 
     def on_removed(self) -> None:
         """The storage was removed from its module: release files, hooks and the like."""

@@ -3,14 +3,18 @@
 :class:`_GroupSplit` makes every view of a group as the outputs of one
 autograd node; its backward builds the group's flat gradient in one go, in
 memory that :class:`GradBuffer` reuses across steps. The buffer also carries
-the group's :class:`FlatGradHook` objects: the seam where a feature sees (and
-may scale while it is built) each flat gradient as backward produces it.
+the group's :class:`FlatGradHook` objects, the seam where a feature sees each
+flat gradient as backward produces it (and may have it divided while it is
+built, or return a converted one), and the group's sync claim: who reduces
+its gradient across ranks (:func:`claim_sync`).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +22,7 @@ from torch import Tensor
 
 from .layout import GroupLayout
 
-__all__ = ["FlatGradHook", "GradBuffer", "PRESCALE_MIN_SEGMENT_BYTES"]
+__all__ = ["FlatGradHook", "GradBuffer", "PRESCALE_MIN_SEGMENT_BYTES", "check_sync", "claim_sync"]
 
 
 class FlatGradHook(Protocol):
@@ -29,16 +33,40 @@ class FlatGradHook(Protocol):
     accumulated into ``flat.grad``; they must not keep the views or the module
     alive (the node that calls them may outlive both).
 
-    Gradient sync divides by the world size here (``_distributed.py``); a
-    sharded optimizer can start a reduce-scatter from :meth:`grad_ready`, a
-    mixed-precision feature can cast.
+    Gradient sync divides by the world size here (``_distributed/grad_sync.py``);
+    ``ShardedOptimizer`` says that it releases full flat gradients
+    (:attr:`releases_gradient`); a feature that serves the views from a tensor
+    of another dtype (``GroupViews.source``) converts the gradient back to the
+    master's dtype in :meth:`grad_ready`.
     """
+
+    #: Whether this hook's owner drops the full flat gradient after backward (ZeRO-2 keeps a slice
+    #: only): then the group's :class:`GradBuffer` keeps no memory to reuse, since a kept buffer
+    #: would hold a whole gradient alive between steps.
+    releases_gradient: bool
 
     def divisor(self, flat: Tensor) -> int | None:
         """Return a divisor to apply while this backward builds the gradient of ``flat``, or ``None``."""
 
-    def grad_ready(self, grad: Tensor, divided: bool) -> None:
-        """Take note of a built flat gradient; ``divided``: it was divided by this hook's divisor."""
+    def grad_ready(self, grad: Tensor, divided: bool) -> Tensor | None:
+        """Take note of a built flat gradient; return ``None`` to keep it, or the gradient to use instead.
+
+        ``grad`` has the dtype of the views (the served tensor's: the flat
+        parameter's own, or that of ``GroupViews.source``); ``divided``: it
+        was divided by this hook's divisor. A returned tensor (same shape;
+        another dtype is fine, e.g. the master's) replaces it: later hooks see
+        it and backward returns it. Autograd casts what backward returns to
+        the flat parameter's dtype, so a gradient that no hook converts still
+        reaches ``flat.grad`` in the master's dtype (one more pass).
+        """
+
+
+@dataclass(frozen=True)
+class _SyncClaim:
+    """Who reduces a group's flat gradient across ranks, and what a second claimant is told."""
+
+    owner: weakref.ref[Any]
+    refusal: str
 
 
 #: Dividing while copying costs one small op per segment; below this many bytes per segment on
@@ -47,7 +75,7 @@ PRESCALE_MIN_SEGMENT_BYTES = 16 * 1024
 
 
 class GradBuffer:
-    """One reusable CPU buffer for a group's flat gradient, and the group's gradient hooks.
+    """One reusable CPU buffer for a group's flat gradient, the group's gradient hooks and its sync claim.
 
     Each backward builds the group's flat gradient as a new tensor; on CPU a
     fresh multi-megabyte allocation is served by new pages that the kernel
@@ -56,9 +84,14 @@ class GradBuffer:
     ``zero_grad(set_to_none=True)``, or added into the kept ``.grad``),
     backward writes into it again instead. It holds no reference to the views
     or the module (it is reachable from autograd nodes).
+
+    The sync claim says which one object reduces this group's flat gradient
+    across ranks (the storage's grad sync, or one ``ShardedOptimizer``): a
+    second one would reduce it twice, so :meth:`claim_sync` refuses it with
+    the holder's message. The holder is held weakly: its claim ends with it.
     """
 
-    __slots__ = ("_kept", "_lock", "_targets", "hooks", "keep")
+    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -71,18 +104,58 @@ class GradBuffer:
         #: the padding segments. Made once, so that backward copies every view's gradient with
         #: one ``_foreach_copy_`` instead of reshaping each in Python and concatenating.
         self._targets: list[tuple[torch.dtype, list[Tensor], list[int]]] = []
-        #: How many buffers to keep (``0``: every flat gradient is fresh memory, freed with it).
+        #: How many buffers to keep (``0`` while a hook releases the gradient: every flat gradient
+        #: is fresh memory, freed with it).
         self.keep = self.KEEP
         #: The group's flat-gradient hooks, in registration order (a tuple: read without a lock).
         self.hooks: tuple[FlatGradHook, ...] = ()
+        self._claim: _SyncClaim | None = None
 
     def add_hook(self, hook: FlatGradHook) -> None:
-        """Have backward call ``hook`` for each flat gradient of this group."""
-        self.hooks = (*self.hooks, hook)
+        """Have backward call ``hook`` for each flat gradient of this group (after the hooks added before)."""
+        self._set_hooks((*self.hooks, hook))
 
     def remove_hook(self, hook: FlatGradHook) -> None:
         """Stop calling ``hook`` (nothing happens if it is not registered)."""
-        self.hooks = tuple(h for h in self.hooks if h is not hook)
+        self._set_hooks(tuple(h for h in self.hooks if h is not hook))
+
+    def _set_hooks(self, hooks: tuple[FlatGradHook, ...]) -> None:
+        with self._lock:
+            self.hooks = hooks
+            self.keep = 0 if any(h.releases_gradient for h in hooks) else self.KEEP
+            del self._kept[self.keep :], self._targets[self.keep :]
+
+    # ------------------------------------------------------------- sync claim
+    def refusal_for(self, owner: object) -> str | None:
+        """Return the message of the live holder (not ``owner``) that syncs this gradient, else ``None``."""
+        claim = self._claim
+        if claim is None:
+            return None
+        holder = claim.owner()
+        return None if holder is None or holder is owner else claim.refusal
+
+    def claim_sync(self, owner: object, refusal: str) -> None:
+        """Make ``owner`` (held weakly) the one that reduces this group's flat gradient across ranks.
+
+        Args:
+            owner: the claimant; its claim ends when it is garbage collected or
+                calls :meth:`release_sync`.
+            refusal: what a later claimant is told while ``owner`` holds it:
+                who syncs the gradient, and how to stop that.
+
+        Raises:
+            RuntimeError: with the holder's message, if another live owner holds it.
+        """
+        held = self.refusal_for(owner)
+        if held is not None:
+            raise RuntimeError(held)
+        self._claim = _SyncClaim(weakref.ref(owner), refusal)
+
+    def release_sync(self, owner: object) -> None:
+        """End ``owner``'s claim (nothing happens if it holds none)."""
+        claim = self._claim
+        if claim is not None and claim.owner() in (owner, None):
+            self._claim = None
 
     def take(
         self, layout: GroupLayout, dtype: torch.dtype, device: torch.device
@@ -118,7 +191,41 @@ class GradBuffer:
             return out, None, []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GradBuffer:
-        return GradBuffer()
+        return GradBuffer()  # a copy's gradients are its own: no memory, hooks or claim of the original
+
+
+def check_sync(buffers: Sequence[GradBuffer], owner: object, what: str) -> None:
+    """Refuse ``owner`` if another live owner syncs the gradient of one of ``buffers``.
+
+    Args:
+        buffers: the groups' buffers.
+        owner: the claimant.
+        what: what the claimant does, the start of the message (``"ShardedOptimizer syncs ..."``).
+
+    Raises:
+        RuntimeError: ``"<what>, but <the holder's message>"``.
+    """
+    for buffer in buffers:
+        held = buffer.refusal_for(owner)
+        if held is not None:
+            raise RuntimeError(f"{what}, but {held}")
+
+
+def claim_sync(buffers: Sequence[GradBuffer], owner: object, what: str, refusals: Sequence[str]) -> None:
+    """Claim the sync of every buffer for ``owner`` (see :meth:`GradBuffer.claim_sync`), or of none.
+
+    Args:
+        buffers: the groups' buffers.
+        owner: the claimant (held weakly).
+        what: what the claimant does, the start of the message if it is refused.
+        refusals: per buffer, what a later claimant is told.
+
+    Raises:
+        RuntimeError: as :func:`check_sync` (nothing is claimed then).
+    """
+    check_sync(buffers, owner, what)
+    for buffer, refusal in zip(buffers, refusals):
+        buffer.claim_sync(owner, refusal)
 
 
 def _segments(
@@ -149,14 +256,18 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
     """
 
     @staticmethod
-    def forward(flat: Tensor, layout: GroupLayout, buffer: GradBuffer) -> tuple[Tensor, ...]:
+    def forward(
+        flat: Tensor, layout: GroupLayout, buffer: GradBuffer, source: Tensor | None = None
+    ) -> tuple[Tensor, ...]:
         # Detached views of the buffer: they alias it and share its version counter, but
         # autograd sees plain outputs, not views of a function that returns several views.
         # So the outputs stay usable after in-place updates of the buffer (an optimizer
         # step): the cache serves them until the buffer is replaced, and autograd's own
         # check still refuses a backward whose saved weights were changed in place, with
         # the plain model's message. Wrapping a plain output is also cheap for autograd.
-        chunks = flat.detach().split(layout.split_sizes)
+        # With a ``source`` (``GroupViews.source``), the views are its slots; the gradient is still
+        # the flat tensor's (a cast's derivative is the identity).
+        chunks = (flat if source is None else source).detach().split(layout.split_sizes)
         # One-dimensional slots already have their shape: skip a view (a few us each).
         return tuple(
             (chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)).detach()
@@ -165,15 +276,16 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        flat, layout, buffer = inputs
+        flat, layout, buffer = inputs[:3]
+        served = inputs[3] if len(inputs) > 3 and inputs[3] is not None else flat
         ctx.layout = layout
         ctx.buffer = buffer
         ctx.flat = weakref.ref(flat)
-        ctx.like = (flat.dtype, flat.device)
+        ctx.like = (served.dtype, served.device)  # the views' gradients are of the served dtype
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None, None]:
         layout: GroupLayout = ctx.layout
         dtype, device = ctx.like
         sizes = layout.split_sizes
@@ -182,8 +294,8 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
         if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
             out = torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device))
             for hook in hooks:
-                hook.grad_ready(out, False)
-            return out, None, None
+                out = _ready(hook, out, False)
+            return out, None, None, None
         out, segments, padding = buffer.take(layout, dtype, device)
         divisor, by = None, None
         if hooks and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
@@ -215,8 +327,14 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
                 else:
                     torch.div(piece, divisor, out=chunk.view(piece.shape))
         for hook in hooks:
-            hook.grad_ready(out, hook is by)
-        return out, None, None
+            out = _ready(hook, out, hook is by)
+        return out, None, None, None
+
+
+def _ready(hook: FlatGradHook, grad: Tensor, divided: bool) -> Tensor:
+    """Hand ``grad`` to ``hook``; return the gradient from then on (the hook's replacement, if any)."""
+    replaced = hook.grad_ready(grad, divided)
+    return grad if replaced is None else replaced
 
 
 def _by_segment(layout: GroupLayout, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:

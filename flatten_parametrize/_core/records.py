@@ -126,6 +126,8 @@ class Coordinator(Protocol):
 
     #: Depth of nested ``using()`` blocks.
     using_depth: int
+    #: Depth of nested ``no_sync()`` blocks (gradient sync reduces nothing while it is not 0).
+    no_sync_depth: int
     #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
     pending: list[StagedValue] | None
     #: The public ``FlatStorage`` of this core (``None`` until one was handed out).
@@ -206,6 +208,9 @@ class Coordinator(Protocol):
 
     def flat_buffers_replaced(self) -> None:
         """Tell the core (and every feature) that flat buffers were swapped (``.data``)."""
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Have gradient sync skip the backward passes inside the block."""
 
 
 class PublicStorage(Protocol):

@@ -23,7 +23,7 @@ import copy
 import threading
 import weakref
 from enum import IntEnum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +136,21 @@ class GroupViews:
         flat_name: the key of the group's flat parameter in ``params``.
         layout: the group's layout.
         names: the qualified name of each slot, for error messages.
+
+    Attributes:
+        source: ``None`` (the views are views of the flat tensor), or a
+            feature's function ``source(flat) -> tensor`` that gives the tensor
+            to serve the views from instead: one-dimensional, of the flat
+            tensor's size, e.g. a copy in another dtype. It is called only when
+            the cache is rebuilt (never on a cached read; the feature calls
+            :meth:`invalidate` when it changes its tensor's identity, and may
+            update the tensor in place in between). In grad mode the views are
+            still the outputs of the split node whose input is the flat tensor:
+            backward builds the flat gradient in the source's dtype, a
+            ``FlatGradHook`` may convert it, and it reaches the flat tensor's
+            ``.grad`` (autograd casts it to that dtype otherwise). Only the
+            eager cached path uses it: torch.compile, jit tracing and tensors
+            without storage (vmap) split the flat tensor itself.
     """
 
     __slots__ = (
@@ -150,6 +165,7 @@ class GroupViews:
         "layout",
         "names",
         "params",
+        "source",
     )
 
     def __init__(
@@ -167,6 +183,7 @@ class GroupViews:
         self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
+        self.source: Callable[[Tensor], Tensor] | None = None
 
     @property
     def grad_buffer(self) -> GradBuffer:
@@ -249,17 +266,18 @@ class GroupViews:
                 f"one-dimensional tensor of {self.layout.numel} elements (was its .data "
                 "replaced?); assign a tensor of that size, or load a state dict"
             )
+        served = None if self.source is None else _source(self, flat)
         views: list[Tensor | None]
         if mode == _GRAD and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
-            views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer))
+            views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer, served))
         else:
             # Views of a detached alias record no autograd history, so they stay
             # usable after in-place updates of the buffer (a view of the parameter
             # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
-            chunks = flat.detach().split(self._split)
+            chunks = (flat if served is None else served).detach().split(self._split)
             if mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
                 views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
             else:
@@ -359,6 +377,7 @@ class GroupViews:
         new._entries = weakref.WeakSet()
         new._traced = None
         new._grad_buffer = GradBuffer()
+        new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
         return new
 
     def __getstate__(self) -> None:
@@ -367,6 +386,17 @@ class GroupViews:
             "registered module (torch.save(model)), or save module.state_dict() or "
             "storage.flat_state_dict()"
         )
+
+
+def _source(group: GroupViews, flat: Tensor) -> Tensor:
+    """Return the tensor that ``group.source`` serves ``flat``'s views from (checked: flat-shaped)."""
+    served = group.source(flat)  # type: ignore[misc]
+    if served.shape != flat.shape or served.device != flat.device:
+        raise RuntimeError(
+            f"the view source of {group.flat_name} gave a tensor of shape {tuple(served.shape)} on "
+            f"{served.device}; the views need one of shape {tuple(flat.shape)} on {flat.device}"
+        )
+    return served
 
 
 def _tracing_a_module(module: nn.Module | None = None) -> bool:

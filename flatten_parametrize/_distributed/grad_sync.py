@@ -27,60 +27,29 @@ backward on (as DDP rebuilds its buckets after the first iteration).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from .._core.features import Coordinator, in_flat_mode, storage_of
+from .._core.grad import claim_sync
+from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
 
 __all__ = ["GradSync"]
 
 #: The reductions ``all_reduce_grads`` accepts.
 REDUCE_OPS = ("mean", "sum")
 
-_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
-_will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
-
-
-def _current_node() -> Any:
-    """Return the autograd node this thread is running (``None`` outside backward)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return None if current is None else current()
-
-
-def _queue_callback(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def _process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:
-    """Check ``group`` and the distributed state; return ``(group, world size)``."""
-    if not dist.is_available():
-        raise RuntimeError(
-            f"{what} needs torch.distributed, which this build of torch lacks; "
-            "install a torch build with distributed support"
-        )
-    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"{what}: this rank is not a member of the given process group (dist.new_group "
-            "returned NON_GROUP_MEMBER here); call it only on the ranks of that group"
-        )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"{what}: group must be a torch.distributed ProcessGroup or None (the default group); "
-            f"got {type(process_group).__name__} {process_group!r}; pass a group made by dist.new_group(...)"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{what} needs an initialized default process group; none is initialized in this "
-            "process; call torch.distributed.init_process_group(...) first"
-        )
-    return process_group, dist.get_world_size(process_group)
+#: What a ``ShardedOptimizer`` built while grad sync is enabled is told (the sync claim of every group).
+_CLAIM = (
+    "the storage's grad sync is enabled and reduces every flat gradient (each would be reduced twice); "
+    "call storage.disable_grad_sync() first"
+)
 
 
 def _check_op(op: Any) -> str:
@@ -132,7 +101,6 @@ class _SyncState:
         #: Whether backward may divide gradients as it builds them: only where the collective
         #: cannot average by itself (gloo; NCCL has ``ReduceOp.AVG``).
         self.may_prescale = world > 1 and "nccl" not in str(dist.get_backend(process_group))
-        self.forward_handle: RemovableHandle | None = None
         #: Launch order shared by all ranks; ``None`` until the first synced backward ends.
         self.order: list[int] | None = None
         self.begin(None)
@@ -161,6 +129,9 @@ class _Prescale:
 
     __slots__ = ("_index", "_outs", "_ref", "_task")
 
+    #: Sync keeps the whole flat gradient: the buffer may reuse its memory.
+    releases_gradient = False
+
     def __init__(self, ref: weakref.ref[GradSync], group_index: int) -> None:
         self._ref = ref
         self._index = group_index
@@ -172,17 +143,17 @@ class _Prescale:
         if sync is None:
             return None
         state = sync.state
-        if state is None or sync.no_sync_depth or not state.may_prescale:
+        if state is None or sync.is_paused() or not state.may_prescale:
             return None
         g = self._index
         if state.hooked[g] is not flat or flat.grad is not None or len(flat._backward_hooks or ()) != 1:
             return None
         try:
-            if not _will_execute(state.accumulators[g]):
+            if not will_execute(state.accumulators[g]):
                 return None
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
             return None
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._task != task:
             self._task, self._outs = task, []
         return state.world
@@ -190,6 +161,7 @@ class _Prescale:
     def grad_ready(self, grad: Tensor, divided: bool) -> None:
         if divided:
             self._outs.append(grad)
+        return None
 
     def before_accumulation(self, grad: Tensor) -> Tensor | None:
         """Tensor hook of the flat parameter: mark a gradient divided in backward, correct a mixed one.
@@ -200,50 +172,15 @@ class _Prescale:
         """
         sync = self._ref()
         state = None if sync is None else sync.state
-        outs = self._outs if self._task == _graph_task_id() else []
+        outs = self._outs if self._task == graph_task_id() else []
         self._task, self._outs = None, []  # let accumulation take the gradient without a copy
         if state is None or not outs:
             return None
-        state.prescaled[self._index] = _graph_task_id()
+        state.prescaled[self._index] = graph_task_id()
         if len(outs) == 1 and grad.data_ptr() == outs[0].data_ptr():
             return None  # the divided gradient is the whole gradient
         divided = outs[0] if len(outs) == 1 else torch.stack(outs).sum(0)
         return grad.sub(divided).div_(state.world).add_(divided)
-
-
-class _RehookOnForward:
-    """Root forward pre-hook: re-register the grad hooks on flat parameters that changed.
-
-    ``module.to()`` & co. may replace a flat parameter object; hooks registered
-    on the old object would be lost. A copy (``copy.deepcopy`` of the module)
-    is inert and removes itself at its first call.
-    """
-
-    def __init__(self, sync: GradSync | None) -> None:
-        self._ref = None if sync is None else weakref.ref(sync)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
-        sync = None if self._ref is None else self._ref()
-        if sync is None or sync.state is None:
-            _drop_forward_hooks(module, only=self)
-            return
-        sync.rehook()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _RehookOnForward:
-        return _RehookOnForward(None)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_RehookOnForward, (None,))
-
-
-def _drop_forward_hooks(module: nn.Module, only: _RehookOnForward | None = None) -> None:
-    """Remove our forward pre-hooks (all of them, or just ``only``) from ``module``."""
-    hooks = module._forward_pre_hooks
-    for key, hook in list(hooks.items()):
-        if isinstance(hook, _RehookOnForward) and (only is None or hook is only):
-            del hooks[key]
 
 
 class GradSync:
@@ -261,16 +198,28 @@ class GradSync:
         self._storage_ref = weakref.ref(storage)
         #: The state of ``enable_grad_sync`` (``None``: not enabled).
         self.state: _SyncState | None = None
-        #: Depth of nested ``no_sync()`` blocks.
-        self.no_sync_depth = 0
 
     @property
     def _storage(self) -> Coordinator:
         return storage_of(self._storage_ref)
 
+    def is_paused(self) -> bool:
+        """Return whether a ``no_sync()`` block of the storage is open (or the storage is gone)."""
+        storage = self._storage_ref()
+        return storage is None or bool(storage.no_sync_depth)
+
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:
-        """A replaced flat parameter gets its hooks at the next forward (``_RehookOnForward``)."""
+        """Hook the flat parameters that ``module.to()`` & co. replaced (at once: the next backward syncs)."""
+        self.rehook()
+
+    def refresh(self) -> None:
+        """Hook a group unfrozen since (``requires_grad_(True)``): nothing notifies that change.
+
+        The core calls this at its sync points, the registered module's
+        forward among them, so the backward of that forward is synced.
+        """
+        self.rehook()
 
     def on_removed(self) -> None:
         """Remove every hook that sync added."""
@@ -284,7 +233,7 @@ class GradSync:
     def all_reduce(self, process_group: dist.ProcessGroup | None, op: str) -> None:
         """All-reduce every flat gradient (see ``FlatStorage.all_reduce_grads``)."""
         op = _check_op(op)
-        pg, world = _process_group(process_group, "all_reduce_grads()")
+        pg, world = checked_process_group(process_group, "all_reduce_grads()")
         storage = self._storage
         with in_flat_mode(storage):
             grads = [_flat_grad(g.flat) for g in storage.groups() if g.flat.requires_grad]
@@ -299,7 +248,7 @@ class GradSync:
                 f"broadcast_params(): src must be an int (a global rank); got {type(src).__name__} "
                 f"{src!r}; pass e.g. src=0"
             )
-        pg, world = _process_group(process_group, "broadcast_params()")
+        pg, world = checked_process_group(process_group, "broadcast_params()")
         ranks = list(range(world)) if pg is None else dist.get_process_group_ranks(pg)
         if src not in ranks:
             raise ValueError(
@@ -318,18 +267,17 @@ class GradSync:
     # ------------------------------------------------------- sync in backward
     def enable(self, process_group: dist.ProcessGroup | None) -> None:
         """Start syncing in backward (see ``FlatStorage.enable_grad_sync``)."""
-        pg, world = _process_group(process_group, "enable_grad_sync()")
+        pg, world = checked_process_group(process_group, "enable_grad_sync()")
         if self.state is not None:
             raise RuntimeError(
                 "enable_grad_sync(): grad sync is already enabled on this storage; call "
                 "disable_grad_sync() first to change the process group"
             )
         storage = self._storage
-        module = storage.module
-        _drop_forward_hooks(module)  # inert leftovers of a deep-copied module
-        state = _SyncState(pg, world, len(storage.groups()))
-        self.state = state
-        state.forward_handle = module.register_forward_pre_hook(_RehookOnForward(self))
+        _ = storage.module  # raises for a detached storage
+        buffers = [group.views.grad_buffer for group in storage.groups()]
+        claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
+        self.state = _SyncState(pg, world, len(storage.groups()))
         self.rehook()
 
     def disable(self) -> None:
@@ -344,23 +292,9 @@ class GradSync:
                 for group, prescale in zip(storage.groups(), state.prescales):
                     if prescale is not None:
                         group.views.grad_buffer.remove_hook(prescale)
-            if state.forward_handle is not None:
-                state.forward_handle.remove()
-        try:
-            module = None if storage is None else storage.module_unchecked
-        except RuntimeError:  # the module was garbage collected
-            module = None
-        if module is not None:
-            _drop_forward_hooks(module)
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Skip sync inside the block (see ``FlatStorage.no_sync``)."""
-        self.no_sync_depth += 1
-        try:
-            yield
-        finally:
-            self.no_sync_depth -= 1
+        if storage is not None:
+            for group in storage.groups():
+                group.views.grad_buffer.release_sync(self)
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:
@@ -390,12 +324,12 @@ class GradSync:
     def grad_ready(self, g: int) -> None:
         """Hook body: group ``g``'s flat gradient is final for this backward."""
         state = self.state
-        if state is None or self.no_sync_depth:
+        if state is None or self.is_paused():
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if state.task != task:
             state.begin(task)
-            _queue_callback(lambda: self._backward_end(state))
+            queue_callback(lambda: self._backward_end(state))
         if state.ready[g]:
             return
         state.ready[g] = True
@@ -418,7 +352,7 @@ class GradSync:
 
     def _backward_end(self, state: _SyncState) -> None:
         """Engine callback: reduce what is left, wait for every collective, learn the order."""
-        enclosing = _current_node()
+        enclosing = current_node()
         if enclosing is not None:  # the end of a nested backward, not of the user's backward
             state.begin(None)
             raise RuntimeError(
@@ -458,24 +392,3 @@ def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], N
             sync.grad_ready(g)
 
     return hook
-
-
-def grad_sync_of(core: Coordinator) -> GradSync:
-    """Return the gradient-sync feature of ``core``, composing it on first use."""
-    sync = core.feature(GradSync)
-    if sync is None:
-        sync = GradSync(core)
-        core.add_feature(sync)
-    return sync
-
-
-def sync_enabled(core: Coordinator) -> bool:
-    """Return whether the storage's own grad sync (``enable_grad_sync``) is on."""
-    sync = core.feature(GradSync)
-    return sync is not None and sync.state is not None
-
-
-def sync_paused(core: Coordinator) -> bool:
-    """Return whether a ``no_sync()`` block of the storage is open."""
-    sync = core.feature(GradSync)
-    return sync is not None and bool(sync.no_sync_depth)

@@ -22,6 +22,13 @@ Per training step:
 * ``step()``: the inner optimizer updates this rank's slices, then every
   slice is copied from its owner into every rank's flat buffer.
 
+The optimizer reaches its storage only through the core's seams (see
+``_core/features.py``): a ``_Member`` feature follows replaced flat
+parameters (``on_rebacked``) and leaves with the optimizer or the storage; it
+is the flat-gradient hook of each group it slices (ZeRO-2 releases full
+gradients, so the buffers keep no memory for them); each group's sync claim
+keeps a second optimizer and the storage's grad sync off its gradients.
+
 Collectives per backend, measured on gloo (``benchmarks/bench_zero.py
 --collectives``, 25 MiB bucket, 2 and 3 ranks): a broadcast from each owner
 gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
@@ -43,23 +50,17 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
+from .._core.grad import GradBuffer, check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
-from .grad_sync import (
-    _current_node,
-    _graph_task_id,
-    _process_group,
-    _queue_callback,
-    grad_sync_of,
-    sync_enabled,
-    sync_paused,
-)
+from .engine import checked_process_group, current_node, graph_task_id, queue_callback
 from .shard import Shard, all_gather, reduce_scatter
 from .sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
 
 if TYPE_CHECKING:
-    from .._core.records import Coordinator, PublicStorage
+    from .._core.records import Coordinator, Group, PublicStorage
 
 __all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS"]
 
@@ -153,15 +154,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         core: Coordinator = core_behind(storage, "ShardedOptimizer")
         check_class(optimizer_class, allow_unlisted)
         groups = param_groups(core, params)
-        _check_unclaimed(core, [p for g in groups for p in g["params"]])
-        pg, world = _process_group(process_group, "ShardedOptimizer")
-        if sync_enabled(core):
-            raise RuntimeError(_TWICE)
+        check_sync(_buffers(_synced(core, [p for g in groups for p in g["params"]])), self, _SYNCS)
+        pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
         self._pg, self._world = pg, world
         self._rank = dist.get_rank(pg)
         self._owners = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
         self._shard_gradients = bool(shard_gradients)
+        #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
+        self._member = _Member(self, core, releases_gradient=self._shard_gradients)
         self._nccl = "nccl" in str(dist.get_backend(pg))
         self._by_owner = not self._nccl
         #: This rank's slices, in core order (the order collectives start in, on every rank).
@@ -178,7 +179,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._building = False
         self._check_layout(core, optimizer_class)
         self._broadcast(core.flat_params)
-        self._hook(core)
+        self._join(core)
+        weakref.finalize(self, self._member.leave)
 
     # ----------------------------------------------------------------- building
     def _new_shards(self, storage: Coordinator, flats: list[Tensor]) -> list[Tensor]:
@@ -252,17 +254,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self._shards:
             shard.bind()
 
-    def _hook(self, storage: Coordinator) -> None:
+    def _join(self, storage: Coordinator) -> None:
+        """Claim the sync of each sliced group not claimed yet, hook it, and join the core's lifecycle."""
+        groups = storage.groups()
+        new = [groups[s.g] for s in self._shards if s.g not in self._member.buffers]
+        claim_sync(_buffers(new), self, _SYNCS, [_refusal(group.name) for group in new])
+        for group in new:
+            self._member.watch(group)
+        self._hook()
+        self._member.join(storage)
+
+    def _hook(self) -> None:
         """Put the gradient-ready hook on every sliced flat parameter that lacks it; relink ``state``."""
         ref = weakref.ref(self)
         for shard in self._shards:
             if shard.hooked is not shard.flat:
-                shard.flat.register_post_accumulate_grad_hook(_ready_hook(ref))  # inert once self is gone
+                self._member.hook_flat(shard.g, shard.flat, _ready_hook(ref))
                 shard.hooked = shard.flat
-                _CLAIMS[id(shard.flat)] = (weakref.ref(shard.flat), ref)
-            if self._shard_gradients:
-                # The storage's reusable full-size gradient memory would keep whole gradients alive.
-                storage.groups()[shard.g].views.grad_buffer.keep = 0
         self._link_state()
 
     def _link_state(self) -> None:
@@ -271,14 +279,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self._shards:
             self.state[shard.flat] = self.local_optimizer.state[shard.param]
 
-    def _refresh(self) -> None:
-        """Follow flat parameters that ``module.to()`` & co. replaced or moved to other memory."""
+    def _follow(self, strict: bool) -> None:
+        """Follow flat parameters that ``module.to()`` & co. replaced or moved to other memory.
+
+        A flat parameter converted to another dtype or moved to another device
+        cannot be followed (the slices and the state are the old one's):
+        ``step()`` raises (``strict``); the lifecycle (``on_rebacked``, inside
+        that ``module.to()``) leaves it to ``step()``.
+        """
         storage = self._storage()
-        flats = storage.flat_params
+        flats = storage.flat_params if strict else [group.flat for group in storage.groups()]
         changed = False
         for shard in self._shards:
             flat = flats[shard.g]
             if flat.dtype != shard.param.dtype or flat.device != shard.param.device:
+                if not strict:
+                    continue
                 raise RuntimeError(
                     f"ShardedOptimizer: flat parameter {storage.group_names[shard.g]!r} moved to "
                     f"{flat.dtype} on {flat.device} after the optimizer was built for {shard.param.dtype} on "
@@ -291,7 +307,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if flat.data_ptr() != shard.ptr:
                 shard.bind()
         if changed:
-            self._hook(storage)
+            self._hook()
 
     # -------------------------------------------------------------- gradient sync
     def _begin(self, task: int | None) -> None:
@@ -304,17 +320,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grad_ready(self, flat: Tensor) -> None:
         """Hook body: ``flat``'s gradient is final for this backward."""
         storage = self._storage_ref()
-        if storage is None or sync_paused(storage):
+        if storage is None or storage.no_sync_depth:
             return
-        if sync_enabled(storage):
-            raise RuntimeError(_TWICE)
         index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
         if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
             return
-        task = _graph_task_id()
+        task = graph_task_id()
         if self._task != task:
             self._begin(task)
-            _queue_callback(self._backward_end)
+            queue_callback(self._backward_end)
         self._ready.add(index)
         self._launch(final=False)
 
@@ -371,7 +385,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _backward_end(self) -> None:
         """Engine callback: start what is left, wait for every reduction."""
-        enclosing = _current_node()
+        enclosing = current_node()
         if enclosing is not None:
             self._begin(None)
             raise RuntimeError(
@@ -397,7 +411,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ...     model(x0).sum().backward()
             >>> model(x1).sum().backward()  # syncs the sum of both
         """
-        with grad_sync_of(self._storage()).paused():
+        with self._storage().no_sync():
             yield
 
     # -------------------------------------------------------------- optimizer API
@@ -424,14 +438,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
         (group,) = param_groups(storage, [param_group], taken=taken)
-        _check_unclaimed(storage, group["params"])
+        check_sync(_buffers(_synced(storage, group["params"])), self, _SYNCS)
         new = self._new_shards(storage, group["params"])
         self.local_optimizer.add_param_group({**group, "params": new})
         super().add_param_group(
             {**hyperparameters(self.local_optimizer.param_groups[-1]), "params": group["params"]}
         )
         self._broadcast(group["params"])
-        self._hook(storage)
+        self._join(storage)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the flat parameters and of this rank's slices.
@@ -461,7 +475,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refresh()
+        self._follow(strict=True)
         for outer, inner in zip(self.param_groups, self.local_optimizer.param_groups):
             inner.update(hyperparameters(outer))
         self.local_optimizer.step()
@@ -646,30 +660,107 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _sharded_state.load_local_parts(self, state_dict)
 
 
-_TWICE = (
-    "ShardedOptimizer syncs gradients itself, but the storage's grad sync is enabled (each gradient "
-    "would be reduced twice); call storage.disable_grad_sync()"
-)
+#: What a ShardedOptimizer does that nothing else may do to its flat parameters (the start of a refusal).
+_SYNCS = "ShardedOptimizer syncs the gradients of the flat parameters it optimizes"
 
 
-#: ``id(flat parameter) -> (flat parameter, its ShardedOptimizer)``, both weakly: who syncs which gradient.
-_CLAIMS: dict[int, tuple[weakref.ref[Tensor], weakref.ref[ShardedOptimizer]]] = {}
+def _refusal(name: str) -> str:
+    """What is told to one that wants to sync group ``name``'s gradient while an optimizer does."""
+    return (
+        f"the flat parameter of group {name!r} is already optimized by a ShardedOptimizer that still "
+        "exists, which reduces its gradient (it would be reduced twice); delete that optimizer first "
+        "(del opt), or give each optimizer other flat parameters"
+    )
 
 
-def _check_unclaimed(storage: Coordinator, flats: Iterable[Tensor]) -> None:
-    """Refuse flat parameters that another live ``ShardedOptimizer`` syncs (gradients reduced twice)."""
-    for key, (flat_ref, opt_ref) in list(_CLAIMS.items()):
-        if flat_ref() is None or opt_ref() is None:
-            del _CLAIMS[key]
-    for flat in flats:
-        claim = _CLAIMS.get(id(flat))
-        if claim is not None and claim[0]() is flat and flat.requires_grad:
-            name = storage.group_names[next(g for g, f in enumerate(storage.flat_params) if f is flat)]
-            raise RuntimeError(
-                f"ShardedOptimizer: the flat parameter of group {name!r} is already optimized by another "
-                "ShardedOptimizer that still exists (its gradient would be reduced twice); delete that "
-                "optimizer first (del opt), or give each optimizer other flat parameters"
-            )
+def _synced(storage: Coordinator, flats: Iterable[Tensor]) -> list[Group]:
+    """Return the groups of ``flats`` that an optimizer over them slices and syncs (the trainable ones)."""
+    flats = list(flats)
+    return [g for g in storage.groups() if g.flat.requires_grad and any(g.flat is f for f in flats)]
+
+
+def _buffers(groups: Iterable[Group]) -> list[GradBuffer]:
+    return [group.views.grad_buffer for group in groups]
+
+
+class _Member:
+    """A ShardedOptimizer's part on its storage's core: a feature, and the flat-gradient hook of its groups.
+
+    The core drives its lifecycle (``_core/features.py``): ``on_rebacked``
+    follows flat parameters that ``module.to()`` & co. replaced or moved;
+    ``on_removed`` (``remove_flat_storage``) and the optimizer's garbage
+    collection make it leave: every hook removed, the feature dropped. A deep
+    copy of the model goes without it. As the hook of each group the
+    optimizer slices, it tells the group's gradient buffer that ZeRO-2 keeps
+    no full flat gradient (:attr:`releases_gradient`). It holds the optimizer
+    and the core weakly.
+    """
+
+    def __init__(self, opt: ShardedOptimizer, core: Coordinator, releases_gradient: bool) -> None:
+        self._opt = weakref.ref(opt)
+        self._core_ref = weakref.ref(core)
+        #: ZeRO-2: the full flat gradients are dropped after backward (``FlatGradHook``).
+        self.releases_gradient = releases_gradient
+        #: Group index -> its gradient buffer, which calls this hook.
+        self.buffers: dict[int, GradBuffer] = {}
+        #: Group index -> the optimizer's post-accumulate-grad hook on its flat parameter.
+        self._handles: dict[int, RemovableHandle] = {}
+        self._joined = False
+
+    def watch(self, group: Group) -> None:
+        """Be the flat-gradient hook of ``group``."""
+        buffer = self.buffers[group.index] = group.views.grad_buffer
+        buffer.add_hook(self)
+
+    def hook_flat(self, g: int, flat: Tensor, hook: Callable[[Tensor], None]) -> None:
+        """Put ``hook`` on group ``g``'s (new) flat parameter, off the one it replaced."""
+        old = self._handles.pop(g, None)
+        if old is not None:
+            old.remove()
+        self._handles[g] = flat.register_post_accumulate_grad_hook(hook)
+
+    def join(self, core: Coordinator) -> None:
+        """Take part in ``core``'s lifecycle (once)."""
+        if not self._joined:
+            core.add_feature(self)
+            self._joined = True
+
+    def leave(self) -> None:
+        """Remove every hook and claim and leave the core's lifecycle (again: nothing to do)."""
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.remove()
+        buffers, self.buffers = self.buffers, {}
+        opt = self._opt()
+        for buffer in buffers.values():
+            buffer.remove_hook(self)
+            buffer.release_sync(opt)
+        core = self._core_ref()
+        if core is not None and self._joined:
+            core.remove_feature(self)
+        self._joined = False
+
+    # ------------------------------------------------------------------ Feature
+    def on_rebacked(self) -> None:
+        opt = self._opt()
+        if opt is not None:
+            opt._follow(strict=False)
+
+    def refresh(self) -> None:
+        return None  # replacements come with on_rebacked; step() checks .data swaps nothing notifies
+
+    def on_removed(self) -> None:
+        self.leave()
+
+    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> None:
+        return None  # the optimizer optimizes the original's flat parameters, not the copy's
+
+    # ------------------------------------------------------------- FlatGradHook
+    def divisor(self, flat: Tensor) -> int | None:
+        return None
+
+    def grad_ready(self, grad: Tensor, divided: bool) -> None:
+        return None
 
 
 def _ready_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[Tensor], None]:

@@ -39,6 +39,9 @@ class Functional:
     def on_rebacked(self) -> None:
         """Nothing to do: the flat parameters are read at each call."""
 
+    def refresh(self) -> None:
+        """Nothing to check."""
+
     def on_removed(self) -> None:
         """Nothing to release."""
 

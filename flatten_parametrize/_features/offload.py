@@ -144,6 +144,9 @@ class DiskOffload:
                 del self._files[g]
                 backing.delete()
 
+    def refresh(self) -> None:
+        """Nothing to check: ``on_rebacked`` tells when a buffer leaves its file."""
+
     def on_removed(self) -> None:
         """Delete every file (``remove_flat_storage``: the values are in RAM by now).
 

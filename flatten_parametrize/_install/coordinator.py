@@ -90,6 +90,9 @@ class StorageCore:
         self._flattened = flattened
         #: Depth of nested ``using()`` blocks.
         self.using_depth = 0
+        #: Depth of nested ``no_sync()`` blocks: gradient sync (the storage's or a
+        #: ``ShardedOptimizer``'s) reduces nothing while it is not 0.
+        self.no_sync_depth = 0
         #: Values staged by a ``load_state_dict`` in progress (``None``: none, or unflattened mode).
         self.pending: list[StagedValue] | None = None
         #: The modules this storage changed, with their state (recorded at registration).
@@ -222,6 +225,15 @@ class StorageCore:
         """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
         self.features = [f for f in self.features if f is not feature]
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Have gradient sync skip the backward passes inside the block (``FlatStorage.no_sync``)."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1
+
     def flat_buffers_replaced(self) -> None:
         """Re-point the originals and views after flat buffers were swapped; notify every feature.
 
@@ -231,6 +243,9 @@ class StorageCore:
         parameters.
         """
         surgery.refresh_originals(self._groups, self._slots)
+        self._tell_rebacked()
+
+    def _tell_rebacked(self) -> None:
         for feature in list(self.features):
             feature.on_rebacked()
 
@@ -296,6 +311,9 @@ class StorageCore:
         """Switch to flat mode (a no-op in flat mode), all or nothing."""
         if not self._flattened:
             atomically(self.flatten_in)
+            # The leaf parameters of unflattened mode have version counters of their own: their
+            # in-place updates changed the flat buffers without bumping the flat parameters' counters.
+            self._tell_rebacked()
 
     def flatten_in(self, tx: Transaction) -> None:
         """Flatten as part of ``tx`` (a no-op in flat mode)."""
@@ -370,12 +388,13 @@ class StorageCore:
 
     # ------------------------------------------------------------ write paths
     def sync_writes(self) -> None:
-        """Land the writes made around the views since the last call, or refuse them.
+        """Land the writes made around the views since the last call, or refuse them; refresh the features.
 
         A replaced flat parameter (``module.flat_param_0 = p``,
         ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
         into a flattened module's ``_parameters`` and tensors assigned to a
         view's ``.data`` are copied into their slots (see ``_core/writes.py``).
+        Then every feature's ``refresh()`` runs (see ``_core/features.py``).
         Does nothing in unflattened mode.
 
         Raises:
@@ -408,6 +427,8 @@ class StorageCore:
         land_direct_writes(self.members())
         for group in self._groups:
             group.views.sync()
+        for feature in list(self.features):
+            feature.refresh()
 
     def adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:
         """Adopt parameters registered in flat parameters' places, all or nothing.

@@ -1,0 +1,63 @@
+"""What gradient sync and ``ShardedOptimizer`` both need of the autograd engine and of torch.distributed.
+
+The two features sync gradients during backward the same way (a hook per
+flat parameter, an engine callback at the end of backward) but share no
+state; the helpers they both call live here, with public names, so that
+neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["checked_process_group", "current_node", "graph_task_id", "queue_callback", "will_execute"]
+
+#: The id of the backward (graph task) this thread is running (``-1`` outside backward).
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+#: Whether the backward in progress will run an autograd node (raises in ``torch.autograd.grad``).
+will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
+
+
+def current_node() -> Any:
+    """Return the autograd node this thread is running (``None`` outside backward)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return None if current is None else current()
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Have the autograd engine run ``callback`` when the backward in progress ends."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def checked_process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:
+    """Check ``process_group`` and the distributed state; return ``(group, world size)``.
+
+    Raises:
+        RuntimeError: without torch.distributed or an initialized default group.
+        ValueError: on a rank outside the group.
+        TypeError: if ``process_group`` is not a process group or ``None``.
+    """
+    if not dist.is_available():
+        raise RuntimeError(
+            f"{what} needs torch.distributed, which this build of torch lacks; "
+            "install a torch build with distributed support"
+        )
+    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{what}: this rank is not a member of the given process group (dist.new_group "
+            "returned NON_GROUP_MEMBER here); call it only on the ranks of that group"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{what}: group must be a torch.distributed ProcessGroup or None (the default group); "
+            f"got {type(process_group).__name__} {process_group!r}; pass a group made by dist.new_group(...)"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs an initialized default process group; none is initialized in this "
+            "process; call torch.distributed.init_process_group(...) first"
+        )
+    return process_group, dist.get_world_size(process_group)
