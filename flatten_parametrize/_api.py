@@ -89,8 +89,8 @@ def register_flat_storage(
             or ``bucket_cap_mb`` with explicit ``groups``.
         RuntimeError: if ``module`` (or part of it) already has a flat storage;
             with ``exist_ok=True``, if ``module``'s flat storage has another
-            layout than these arguments make.
-        In every case ``module`` is left exactly as it was.
+            layout than these arguments make. In every case ``module`` is
+            left exactly as it was.
 
     Example:
         >>> import torch

@@ -385,10 +385,21 @@ class FlatStorage:
     def plot_layout(self, **kwargs: Any) -> Any:
         """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
 
-        See :func:`flatten_parametrize._inspect.plot.plot_layout` for the arguments.
+        One bar per group; padding is white and hatched. Made without
+        ``pyplot``, so it works headless (``fig.savefig(path)``).
+
+        Args:
+            **kwargs: ``figsize`` (``(width, height)`` in inches), ``labels``
+                (write each name in its box when it fits; default ``True``),
+                ``min_label_fraction`` (the narrowest box, as a fraction of its
+                bar, that gets a label; default ``0.05``), ``title`` (default:
+                the storage's one-line summary).
 
         Returns:
-            A ``matplotlib.figure.Figure``.
+            A ``matplotlib.figure.Figure``, one axes per group.
+
+        Raises:
+            ImportError: if matplotlib is not installed.
         """
         return plot_layout(self._core, **kwargs)
 

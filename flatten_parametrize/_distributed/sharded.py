@@ -170,6 +170,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._begin(None)
         self._building = True
         inner_groups = [{**g, "params": self._new_shards(core, g["params"])} for g in groups]
+        #: The inner optimizer (of ``optimizer_class``) over this rank's slices.
         self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
         outer = [
             {**hyperparameters(inner), "params": g["params"]}

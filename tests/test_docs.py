@@ -1,0 +1,121 @@
+"""The documentation site's strict build fails on what a reader would trip over.
+
+Each build runs ``docs/build.py`` on a copy of the sources (the notebooks rendered without
+executing them, to keep it short; ``.ci/run`` builds the real site with them executed) with
+one defect put in: a broken cross-reference, a page in no toctree, a public name without a
+docstring. The link check of the built HTML is tested on its own, on a few small files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocesses
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the docs read: their sources, and the files their pages include.
+INCLUDED = ["README.md", "CHANGELOG.md", "notebooks", "benchmarks/RESULTS.md", "benchmarks/depth_sweep.png"]
+
+
+def _load_build() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_build", ROOT / "docs" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    """A copy of ``docs/`` and of what it includes; returns the copy's ``docs``."""
+    pytest.importorskip("sphinx")
+    pytest.importorskip("myst_nb")
+    pytest.importorskip("pydata_sphinx_theme")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("_build", "notebooks"))
+    for name in INCLUDED:
+        source, target = ROOT / name, tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            shutil.copyfile(source, target)
+    return tmp_path / "docs"
+
+
+def _build(docs: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(docs / "build.py"), "--source", str(docs),
+         "--out", str(docs / "_build" / "html"), "--no-notebooks"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+
+
+def test_the_sources_build_cleanly(sources: Path) -> None:
+    """Without a defect the strict build and the link check pass (so the failures below are the defects')."""
+    proc = _build(sources)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every internal link resolves" in proc.stdout
+
+
+def test_a_broken_reference_fails_the_build(sources: Path) -> None:
+    """A reference to a name that the API reference does not have is an error, not a dead link."""
+    page = sources / "getting-started.md"
+    page.write_text(page.read_text() + "\nSee {py:meth}`flatten_parametrize.FlatStorage.no_such_method`.\n")
+    proc = _build(sources)
+    assert proc.returncode != 0
+    assert "reference target not found: flatten_parametrize.FlatStorage.no_such_method" in proc.stderr
+
+
+def test_a_broken_page_link_fails_the_build(sources: Path) -> None:
+    """A Markdown link to a page or heading that does not exist is an error."""
+    page = sources / "getting-started.md"
+    page.write_text(page.read_text() + "\nSee [the missing section](distributed.md#no-such-heading).\n")
+    proc = _build(sources)
+    assert proc.returncode != 0
+    assert "no-such-heading" in proc.stderr
+
+
+def test_a_page_in_no_toctree_fails_the_build(sources: Path) -> None:
+    """Every page is reachable from the navigation."""
+    (sources / "orphan.md").write_text("# Orphan\n\nNo toctree lists this page.\n")
+    proc = _build(sources)
+    assert proc.returncode != 0
+    assert "document isn't included in any toctree" in proc.stderr
+
+
+def test_a_public_name_without_a_docstring_fails_the_build(sources: Path) -> None:
+    """Documenting a public name that has no docstring is an error (``FlatStorage.__len__`` has none)."""
+    page = sources / "api" / "FlatStorage.rst"
+    page.write_text(page.read_text() + "\n.. automethod:: flatten_parametrize.FlatStorage.__len__\n")
+    proc = _build(sources)
+    assert proc.returncode != 0
+    assert "public name without a docstring: flatten_parametrize.FlatStorage.__len__" in proc.stderr
+
+
+def test_the_link_check_finds_missing_files_and_anchors(tmp_path: Path) -> None:
+    """``check_links`` reports a missing page, a missing anchor and a link out of the site; not good links."""
+    build = _load_build()
+    site = tmp_path / "html"
+    (site / "api").mkdir(parents=True)
+    (site / "api" / "page.html").write_text('<h1 id="top">Page</h1><a href="../index.html#intro">home</a>')
+    (site / "index.html").write_text(
+        '<p id="intro"></p><a href="api/page.html#top">ok</a> <a href="https://pytorch.org">external</a>'
+        '<a href="api/page.html#gone">anchor</a> <a href="missing.html">page</a>'
+        '<a href="../outside.html">out</a>'
+        '<img src="_images/plot.png">'
+    )
+    errors = build.check_links(site)
+    assert len(errors) == 4, errors
+    assert any("no id 'gone' in page.html" in error for error in errors)
+    assert any("missing.html: no such file" in error for error in errors)
+    assert any("points outside the site" in error for error in errors)
+    assert any("_images/plot.png: no such file" in error for error in errors)
