@@ -1,6 +1,7 @@
 """Everything the tests share (import as `from _helpers import ...`; the `world1` fixture is in conftest.py).
 
-- model builders: :class:`TiedLM`, :class:`WithOwnParam`, :class:`Mixed`, :func:`mlp`, :func:`twin`;
+- model builders: :class:`TiedLM`, :class:`TiedHead`, :class:`WithOwnParam`, :class:`Mixed`, :func:`mlp`,
+  :func:`bn_mlp`, :func:`registered_bn_mlp`, :func:`twin`;
 - the plain-twin comparator :func:`assert_same_values` (modules, :func:`values`, :func:`grads`
   or any name -> tensor mapping) and the whole-behaviour check :func:`assert_agrees_with_twin`;
 - the optimizer-state comparator :func:`assert_same_optim_state`;
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flatten_parametrize import get_flat_storage, remove_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 from flatten_parametrize._core.names import core_behind
 
 # --------------------------------------------------------------------------- models
@@ -76,6 +77,38 @@ class Mixed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.wide(self.bn(self.inp(x)).double()).float())
+
+
+class TiedHead(nn.Module):
+    """An embedding and an output head sharing one weight (names ``emb.weight`` and ``head.weight``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(5, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(self.emb(tokens)))
+
+
+def bn_mlp(seed: int = 0) -> nn.Sequential:
+    """Linear(3, 4) -> BatchNorm1d(4) (with non-default running stats) -> Linear(4, 2), in train mode."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(8, 3))
+    return model
+
+
+def registered_bn_mlp(seed: int = 0, **kwargs: Any) -> tuple[nn.Sequential, Any]:
+    """A :func:`bn_mlp` with groups 'a' (layer 0), 'b' (batch norm), layer 2 left out of every group."""
+    model = bn_mlp(seed)
+    storage = register_flat_storage(model, {"a": ["0.*"], "b": ["1.*"]}, **kwargs)
+    return model, storage
 
 
 def core_of(storage: Any) -> Any:

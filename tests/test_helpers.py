@@ -12,8 +12,12 @@ from _helpers import (
     assert_agrees_with_twin,
     assert_same_optim_state,
     assert_same_values,
+    assert_unchanged,
+    bn_mlp,
     grads,
     mlp,
+    registered_bn_mlp,
+    snapshot,
     sum_square,
     train_steps,
     twin,
@@ -108,3 +112,35 @@ def test_train_steps_takes_one_step_per_batch_and_returns_the_losses():
     train_steps(model, opt, [x], sum_square, zero_grad_last=True)
     assert model.weight.grad is None
     assert_same_values(values(model), {"weight": torch.zeros(1, 2)})
+
+
+def test_snapshot_detects_changes():
+    """The helper itself: assert_unchanged notices changed values, objects, modes and attributes."""
+    model, storage = registered_bn_mlp()
+    snap = snapshot(model)
+    assert_unchanged(model, snap)
+    with torch.no_grad():
+        model[1].running_mean.add_(1)
+    with pytest.raises(AssertionError, match=r"1\.running_mean changed value"):
+        assert_unchanged(model, snap)
+    model, storage = registered_bn_mlp()
+    snap = snapshot(model)
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1
+    with pytest.raises(AssertionError, match=r"flat_param_a changed value"):
+        assert_unchanged(model, snap)
+    model, storage = registered_bn_mlp()
+    snap = snapshot(model)
+    model[2].bias = nn.Parameter(model[2].bias.detach().clone())
+    with pytest.raises(AssertionError, match=r"parameter 2\.bias was replaced"):
+        assert_unchanged(model, snap)
+    model, storage = registered_bn_mlp()
+    snap = snapshot(model)
+    storage.unflatten()
+    with pytest.raises(AssertionError):
+        assert_unchanged(model, snap)
+    model = bn_mlp()
+    snap = snapshot(model)
+    model[0].__dict__["_flat_parametrize"] = None
+    with pytest.raises(AssertionError, match=r"_flat_parametrize"):
+        assert_unchanged(model, snap)
