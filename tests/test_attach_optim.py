@@ -67,7 +67,8 @@ def test_load_state_dict_takes_both_formats_and_training_continues_alike():
     optimizer = torch.optim.AdamW(_param_groups(model), lr=1e-2)
     attachment = get_flat_storage(model).attach_optimizer(optimizer)  # type: ignore[union-attr]
     batches = [tokens() for _ in range(2)]
-    train_steps(model, optimizer, batches, lm_loss), train_steps(plain, ref, batches, lm_loss)
+    train_steps(model, optimizer, batches, lm_loss)
+    train_steps(plain, ref, batches, lm_loss)
     flat_resumed, plain_resumed = copy.deepcopy(model), copy.deepcopy(plain)
     flat_opt = torch.optim.AdamW(_param_groups(flat_resumed), lr=1e-2)
     get_flat_storage(flat_resumed).attach_optimizer(flat_opt)  # type: ignore[union-attr]

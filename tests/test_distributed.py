@@ -847,7 +847,8 @@ def test_bucketed_model_trains_like_plain():
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref = torch.optim.Adam(plain.parameters(), lr=0.01)
     batches = [torch.randn(4, 8) for _ in range(3)]
-    train_steps(model, opt, batches), train_steps(plain, ref, batches)
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
     assert_same_values(model, plain, close=True)
 
 

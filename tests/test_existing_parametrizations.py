@@ -70,7 +70,8 @@ def test_training_matches_the_plain_model():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref = torch.optim.Adam(plain.parameters(), lr=1e-2)
     batches = [torch.randn(6, 4) for _ in range(4)]
-    train_steps(model, opt, batches), train_steps(plain, ref, batches)
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
     assert_same_values(model, plain, rtol=1e-5, atol=1e-6)
 
 

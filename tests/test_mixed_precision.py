@@ -53,7 +53,8 @@ def test_autocast_training_matches_the_plain_model():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     batches = [torch.randint(0, 11, (3, 4)) for _ in range(3)]
-    train_steps(model, opt, batches, _autocast_loss), train_steps(plain, ref, batches, _autocast_loss)
+    train_steps(model, opt, batches, _autocast_loss)
+    train_steps(plain, ref, batches, _autocast_loss)
     assert all(value.dtype == torch.float32 for value in model.state_dict().values())
     assert_same_values(model, plain, close=True)
 
@@ -68,7 +69,8 @@ def test_bfloat16_model_flattens_into_a_bfloat16_buffer():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
     batches = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
-    train_steps(model, opt, batches, _float_loss), train_steps(plain, ref, batches, _float_loss)
+    train_steps(model, opt, batches, _float_loss)
+    train_steps(plain, ref, batches, _float_loss)
     assert storage["0"].grad.dtype == torch.bfloat16
     assert all(value.dtype == torch.bfloat16 for value in model.state_dict().values())
     assert_same_values(model, plain, close=True)

@@ -87,7 +87,8 @@ def test_offloaded_training_matches_training_in_memory(tmp_path):
     ref = torch.optim.Adam(plain.parameters(), lr=1e-2)
     storage.offload_to_disk(tmp_path)
     batches = [torch.randint(0, 11, (4, 5)) for _ in range(3)]
-    train_steps(model, opt, batches), train_steps(plain, ref, batches)
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
     assert storage.is_offloaded
     flat = storage["0"]
     assert flat.grad is not None and not _in_file(flat.grad, storage)  # gradients stay in RAM

@@ -261,7 +261,8 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
     @rule(seed=SEEDS)
     def train_step(self, seed: int) -> None:
         x = inputs(seed)
-        train_steps(self.model, self.opt, [x]), train_steps(self.plain, self.plain_opt, [x])
+        train_steps(self.model, self.opt, [x])
+        train_steps(self.plain, self.plain_opt, [x])
 
     @rule(seed=SEEDS)
     def backward_only(self, seed: int) -> None:

@@ -155,7 +155,8 @@ def test_a_training_checkpoint_resumes_exactly_where_it_stopped(tmp_path, form, 
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     resumed_opt.load_state_dict(checkpoint["optim"])
     assert checkpoint["step"] == 3
-    train_steps(model, opt, [x] * 3, loss), train_steps(resumed, resumed_opt, [x] * 3, loss)
+    train_steps(model, opt, [x] * 3, loss)
+    train_steps(resumed, resumed_opt, [x] * 3, loss)
     assert_same_values(resumed, values(model))
 
 

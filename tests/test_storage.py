@@ -101,7 +101,8 @@ def test_optimizer_built_unflattened_trains_like_the_plain_model():
     with storage.unflattened():
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         ref = torch.optim.Adam(plain.parameters(), lr=0.01)
-        train_steps(model, opt, [x] * 3, sum_square), train_steps(plain, ref, [x] * 3, sum_square)
+        train_steps(model, opt, [x] * 3, sum_square)
+        train_steps(plain, ref, [x] * 3, sum_square)
     assert_same_values(dict(storage.named_views()), dict(plain.named_parameters()), close=True)
 
 

@@ -461,7 +461,8 @@ def test_grad_mode_views_are_kept_across_in_place_updates_and_train_like_plain()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(4, 5)
     for _ in range(3):
-        train_steps(model, opt, [x], sum_square), train_steps(plain, plain_opt, [x], sum_square)
+        train_steps(model, opt, [x], sum_square)
+        train_steps(plain, plain_opt, [x], sum_square)
         assert torch.equal(model(x), plain(x).detach()) or torch.allclose(model(x), plain(x), atol=1e-6)
         torch.testing.assert_close(dict(storage.named_grads())["0.weight"], plain[0].weight.grad)
     assert model[0].weight is before  # the same view, following the updated buffer

@@ -67,7 +67,8 @@ def test_the_wrapped_model_keeps_working_as_the_plain_one(tmp_path: Path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     batches = [tokens() for _ in range(3)]
-    train_steps(model, opt, batches, lm_loss), train_steps(plain, ref_opt, batches, lm_loss)
+    train_steps(model, opt, batches, lm_loss)
+    train_steps(plain, ref_opt, batches, lm_loss)
     assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
     generated = model.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False)
     assert torch.equal(generated, plain.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False))
