@@ -1,7 +1,11 @@
-"""Everything the tests share (import as `from _helpers import ...`).
+"""Everything the tests share (import as `from _helpers import ...`; the `world1` fixture is in conftest.py).
 
-- model builders: :class:`TiedLM`, :class:`WithOwnParam`, :func:`mlp`, :func:`twin`;
-- plain-twin assertions: :func:`values`, :func:`assert_same_values`, :func:`assert_close_state`;
+- model builders: :class:`TiedLM`, :class:`TiedHead`, :class:`WithOwnParam`, :class:`Mixed`, :func:`mlp`,
+  :func:`bn_mlp`, :func:`registered_bn_mlp`, :func:`twin`;
+- the plain-twin comparator :func:`assert_same_values` (modules, :func:`values`, :func:`grads`
+  or any name -> tensor mapping) and the whole-behaviour check :func:`assert_agrees_with_twin`;
+- the optimizer-state comparator :func:`assert_same_optim_state`;
+- the training loop :func:`train_steps` (losses :func:`mean_square`, :func:`sum_square`);
 - snapshots of everything a failed call must leave untouched: :func:`snapshot`,
   :func:`assert_unchanged`, :func:`assert_plain`;
 - the gloo launcher: :func:`spawn_gloo` runs a worker in 2 processes on 127.0.0.1.
@@ -14,6 +18,7 @@ import multiprocessing as mp
 import socket
 import time
 import traceback
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from flatten_parametrize import get_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 from flatten_parametrize._core.names import core_behind
 
 # --------------------------------------------------------------------------- models
@@ -74,6 +79,38 @@ class Mixed(nn.Module):
         return self.out(self.wide(self.bn(self.inp(x)).double()).float())
 
 
+class TiedHead(nn.Module):
+    """An embedding and an output head sharing one weight (names ``emb.weight`` and ``head.weight``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(5, 4)
+        self.proj = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(self.emb(tokens)))
+
+
+def bn_mlp(seed: int = 0) -> nn.Sequential:
+    """Linear(3, 4) -> BatchNorm1d(4) (with non-default running stats) -> Linear(4, 2), in train mode."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(8, 3))
+    return model
+
+
+def registered_bn_mlp(seed: int = 0, **kwargs: Any) -> tuple[nn.Sequential, Any]:
+    """A :func:`bn_mlp` with groups 'a' (layer 0), 'b' (batch norm), layer 2 left out of every group."""
+    model = bn_mlp(seed)
+    storage = register_flat_storage(model, {"a": ["0.*"], "b": ["1.*"]}, **kwargs)
+    return model, storage
+
+
 def core_of(storage: Any) -> Any:
     """Return the private coordinator core behind a public ``FlatStorage`` (tests of the internals)."""
     return core_behind(storage, "core_of")
@@ -96,24 +133,179 @@ def twin(model: nn.Module) -> nn.Module:
 
 
 def values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of ``model``'s state dict, in its order (a snapshot to compare later)."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_same_values(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
-    assert list(a) == list(b)
-    for key in a:
-        if tol:
-            torch.testing.assert_close(a[key], b[key], **tol)
-        else:
-            assert torch.equal(a[key], b[key]), key
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Each parameter's gradient under its original name (``None`` where it has none).
+
+    A flattened model reports them through ``storage.named_grads()`` (views of
+    the flat gradients), a plain one through ``named_parameters()``: the two
+    dicts of a flattened model and its plain twin compare with
+    :func:`assert_same_values`.
+    """
+    storage = get_flat_storage(model)
+    if storage is not None:
+        pairs = storage.named_grads()
+    else:
+        pairs = ((name, p.grad) for name, p in model.named_parameters())
+    return {name: None if grad is None else grad.detach().clone() for name, grad in pairs}
 
 
-def assert_close_state(a: nn.Module, b: nn.Module, **tol: float) -> None:
-    """Assert that two models have the same state-dict keys, in order, and close values."""
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
+def assert_same_values(
+    a: nn.Module | Mapping[str, Any],
+    b: nn.Module | Mapping[str, Any],
+    *,
+    close: bool = False,
+    msg: str = "",
+    **tol: float,
+) -> None:
+    """Assert that ``a`` holds what ``b`` holds: the plain-twin comparator of the tests.
+
+    ``a`` and ``b`` are modules (their state dicts are compared) or mappings
+    of name -> tensor (:func:`values`, :func:`grads`, a saved result). They
+    must have the same keys in the same order. Values are compared bit for bit
+    (same dtype and ``torch.equal``, so shapes agree too) unless a tolerance is asked
+    for: ``rtol=..., atol=...`` (``torch.testing.assert_close``, which also
+    checks dtype and device) or ``close=True`` (assert_close's defaults for
+    the dtype). ``None`` only equals ``None``; other values compare with
+    ``==``. ``msg`` prefixes the failing key.
+    """
+    sa = a.state_dict() if isinstance(a, nn.Module) else a
+    sb = b.state_dict() if isinstance(b, nn.Module) else b
+    assert list(sa) == list(sb), f"{msg} keys differ: {list(sa)} != {list(sb)}"
     for key in sa:
-        torch.testing.assert_close(sa[key], sb[key], msg=key, **tol)
+        where = f"{msg} {key}".strip()
+        x, y = sa[key], sb[key]
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            assert (x is None and y is None) if x is None or y is None else x == y, where
+        elif close or tol:
+            torch.testing.assert_close(x, y, msg=where, **tol)
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), where
+
+
+def assert_agrees_with_twin(
+    plain: nn.Module, flat: nn.Module, x: torch.Tensor, *, step: bool = False
+) -> None:
+    """Assert that the flattened ``flat`` behaves exactly as its plain twin ``plain`` on input ``x``.
+
+    Checked bit for bit: the forward output in grad, no-grad and inference
+    mode; the state dict; the plain twin loading ``flat``'s state dict and a
+    copy of ``flat`` loading its flat state dict; in ``unflattened()``, the
+    parameter names, values and forward; after ``remove_flat_storage`` on a
+    copy, the parameter names and values. With ``step=True`` both models then
+    take one SGD step (lr 0.1) on ``x`` and must agree within rtol=1e-6,
+    atol=1e-7, and again after removal (this changes both models).
+    """
+    storage = get_flat_storage(flat)
+    assert storage is not None, "flat has no flat storage"
+    for mode in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with mode():
+            out, expected = flat(x), plain(x)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0, msg=f"forward under {mode.__name__}")
+    assert_same_values(values(flat), values(plain))
+    reloaded = twin(plain)
+    reloaded.load_state_dict({k: v.clone() for k, v in flat.state_dict().items()})
+    assert_same_values(values(reloaded), values(plain))
+    flat_copy = twin(flat)
+    flat_copy.load_state_dict({k: v.clone() for k, v in storage.flat_state_dict().items()})
+    assert_same_values(values(flat_copy), values(plain))
+    with storage.unflattened():
+        assert [n for n, _ in flat.named_parameters()] == [n for n, _ in plain.named_parameters()]
+        assert_same_values(values(flat), values(plain))
+        torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0, msg="forward in unflattened()")
+    if step:
+        for model in (plain, flat):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(x).pow(2).sum().backward()
+            opt.step()
+        assert_same_values(values(flat), values(plain), rtol=1e-6, atol=1e-7)
+    removed = twin(flat)
+    remove_flat_storage(removed)
+    assert [n for n, _ in removed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert_same_values(values(removed), values(plain))
+
+
+# ------------------------------------------------------------------ optimizer state
+
+
+def assert_same_optim_state(a: Mapping[str, Any], b: Mapping[str, Any], **tol: float) -> None:
+    """Assert that two optimizer state dicts are the same, entry for entry.
+
+    Each param group has the same hyper-parameters and the same ``params``
+    ids; ``state`` has the same parameter ids in the same order, each with the
+    same entries in the same order. Tensors are compared bit for bit
+    (``torch.equal``) or, given ``rtol=..., atol=...``, with
+    ``torch.testing.assert_close``; other entries with ``==``.
+    """
+    groups_a, groups_b = a["param_groups"], b["param_groups"]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in groups_a] == [
+        {k: v for k, v in g.items() if k != "params"} for g in groups_b
+    ]
+    assert [g["params"] for g in groups_a] == [g["params"] for g in groups_b]
+    assert list(a["state"]) == list(b["state"])
+    for pid, entry in b["state"].items():
+        assert list(a["state"][pid]) == list(entry), pid
+        for key, value in entry.items():
+            got = a["state"][pid][key]
+            if isinstance(value, torch.Tensor) and tol:
+                torch.testing.assert_close(got, value, msg=f"{pid} {key}", **tol)
+            elif isinstance(value, torch.Tensor):
+                assert isinstance(got, torch.Tensor) and torch.equal(got, value), (pid, key)
+            else:
+                assert got == value, (pid, key)
+
+
+# ------------------------------------------------------------------------- training
+
+
+def mean_square(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The default loss of :func:`train_steps`: ``model(batch).pow(2).mean()``."""
+    return model(batch).pow(2).mean()
+
+
+def sum_square(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A loss for :func:`train_steps`: ``model(batch).pow(2).sum()``."""
+    return model(batch).pow(2).sum()
+
+
+def train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    loss: Callable[[nn.Module, Any], torch.Tensor] = mean_square,
+    *,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+    after_step: Callable[[], None] | None = None,
+    zero_grad_last: bool = False,
+) -> list[float]:
+    """Take one optimizer step per batch; return each step's loss.
+
+    Each step is ``optimizer.zero_grad()``, ``loss(model, batch)``,
+    ``backward(loss)`` (a framework's, e.g. ``fabric.backward``, or
+    ``Tensor.backward``), ``optimizer.step()`` and then ``after_step()`` if
+    given. With ``zero_grad_last=True`` ``optimizer.zero_grad()`` comes
+    after ``optimizer.step()`` instead (the gradients are freed after each
+    step, as ZeRO training loops do).
+    ``batches`` is consumed lazily, so a generator that draws from the global
+    RNG draws exactly as an inline loop would. Train a flattened model and its
+    plain twin on the same list of batches to compare them.
+    """
+    losses = []
+    for batch in batches:
+        if not zero_grad_last:
+            optimizer.zero_grad()
+        value = loss(model, batch)
+        backward(value)
+        optimizer.step()
+        if zero_grad_last:
+            optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
+        losses.append(value.item())
+    return losses
 
 
 # --------------------------------------------------------------------------- snapshot

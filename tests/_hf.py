@@ -30,6 +30,11 @@ def tokens(batch: int = 2, length: int = 10) -> torch.Tensor:
     return torch.randint(3, 64, (batch, length))
 
 
+def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The language-modelling loss of ``model`` on ``ids`` (the labels are the inputs), for train_steps."""
+    return model(input_ids=ids, labels=ids).loss
+
+
 def lm_dataset(size: int = 8, length: int = 10, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Language-modelling examples (``input_ids`` and ``labels``); Trainer takes the list as a dataset."""
     generator = torch.Generator().manual_seed(seed)

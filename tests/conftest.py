@@ -1,4 +1,4 @@
-"""Test configuration: a fixed seed for every test."""
+"""Test configuration: a fixed seed for every test; the fixtures `one_intra_op_thread` and `world1`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +21,18 @@ def one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def world1() -> Iterator[None]:
+    """Run the test in a default process group of one gloo rank (rank 0 of 1, an in-memory store).
+
+    Enough for argument checks and single-process runs of the distributed
+    code (collectives over one rank); the group is destroyed afterwards even
+    if the test fails.
+    """
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

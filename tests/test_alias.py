@@ -10,22 +10,17 @@ import pytest
 import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file, load_model, save_model
-from torch import nn
 
 from flatten_parametrize import register_flat_storage
 from flatten_parametrize._state.alias import own_storage_alias
 
+from _helpers import assert_same_values
 from _hf import gpt2
 
 
 def _covers_its_storage(tensor: torch.Tensor) -> bool:
     storage = tensor.untyped_storage()
     return tensor.data_ptr() == storage.data_ptr() and tensor.nbytes == storage.nbytes()
-
-
-def _same_values(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_an_alias_is_zero_copy_and_keeps_the_buffer_alive():
@@ -69,7 +64,7 @@ def test_torch_save_of_the_state_dict_keeps_the_tie(tmp_path: Path):
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     loaded = torch.load(tmp_path / "sd.pt")
     assert loaded["lm_head.weight"].data_ptr() == loaded["transformer.wte.weight"].data_ptr()
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert_same_values(loaded, model)
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -82,14 +77,14 @@ def test_safetensors_save_model_and_load_model_keep_every_weight(tmp_path: Path,
     save_model(model, str(tmp_path / "flat.safetensors"))
     written, expected = load_file(tmp_path / "flat.safetensors"), load_file(tmp_path / "plain.safetensors")
     assert len(written) == len(expected) == (28 if tie else 29)
-    assert sorted(written) == sorted(expected) and all(torch.equal(written[k], expected[k]) for k in expected)
+    assert_same_values(written, expected)
     for source in ("plain", "flat"):
         for flat in (False, True):
             target = gpt2(seed=3, tie=tie)
             if flat:
                 register_flat_storage(target)
             assert load_model(target, str(tmp_path / f"{source}.safetensors")) == (set(), [])
-            assert _same_values(target, plain), (source, flat)
+            assert_same_values(target, plain, msg=f"{source} flat={flat}")
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
@@ -107,7 +102,7 @@ def test_accelerate_save_state_and_save_model_keep_every_weight(tmp_path: Path, 
     for what in ("state/model.safetensors", "model/model.safetensors"):
         written, expected = load_file(tmp_path / "flat" / what), load_file(tmp_path / "plain" / what)
         assert len(written) == len(expected) == (28 if tie else 29), what
-        assert all(torch.equal(written[k], expected[k]) for k in expected), what
+        assert_same_values(written, expected, msg=what)
     for source in ("plain", "flat"):
         for flat in (False, True):
             target = gpt2(seed=3, tie=tie)
@@ -116,4 +111,4 @@ def test_accelerate_save_state_and_save_model_keep_every_weight(tmp_path: Path, 
             accelerator._models.clear()
             accelerator.prepare(target)
             accelerator.load_state(tmp_path / source / "state")
-            assert _same_values(target, plain), (source, flat)
+            assert_same_values(target, plain, msg=f"{source} flat={flat}")

@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import TiedLM, WithOwnParam, mlp, values
+from _helpers import TiedLM, WithOwnParam, assert_same_values, mlp, values
 
 
 def test_register_keeps_the_module_tree_print_and_container_behaviour():
@@ -210,13 +210,12 @@ def test_remove_restores_parameters_classes_keys_and_current_values():
     storage = register_flat_storage(model)
     with torch.no_grad():
         storage["0"].add_(1.0)
-    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = values(model)
     remove_flat_storage(model)
     assert dict(model.named_parameters()) == params
     assert [type(m) for m in model.modules()] == classes and type(model.fc) is nn.Linear
     assert list(model.state_dict()) == keys
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, expected[key])
+    assert_same_values(model, expected)
     assert not parametrize.is_parametrized(model.fc)
     for module in model.modules():
         assert "_flat_parametrize" not in module.__dict__ and "parametrizations" not in module.__dict__

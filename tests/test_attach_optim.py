@@ -15,8 +15,8 @@ from transformers import Trainer
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, weight_decay_groups
 
-from _helpers import mlp
-from _hf import gpt2, lm_dataset, losses, tokens, training_args
+from _helpers import assert_same_optim_state, assert_same_values, mlp, train_steps, values
+from _hf import gpt2, lm_dataset, lm_loss, losses, tokens, training_args
 from _lightning import LitLM, loader
 from _lightning import trainer as lightning_trainer
 
@@ -40,38 +40,13 @@ def _pair() -> tuple[nn.Module, nn.Module]:
     return plain, model
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> float:
-    optimizer.zero_grad()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    return float(loss.item())
-
-
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def _assert_all_alike(results: dict[Any, tuple[list[float], dict[str, torch.Tensor]]], steps: int) -> None:
     """Every resumed run (source form, resumed form) logged the same losses and ended with equal weights."""
     reference_losses, reference_weights = next(iter(results.values()))
     assert len(reference_losses) == steps
     for key, (logged, weights) in results.items():
         assert logged == reference_losses, key
-        assert list(weights) == list(reference_weights), key
-        assert all(torch.equal(weights[k], v) for k, v in reference_weights.items()), key
-
-
-def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert [len(g["params"]) for g in a["param_groups"]] == [len(g["params"]) for g in b["param_groups"]]
-    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == [
-        {k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]
-    ]
-    assert list(a["state"]) == list(b["state"])
-    for pid, entry in b["state"].items():
-        assert list(a["state"][pid]) == list(entry)
-        for key, value in entry.items():
-            assert torch.equal(a["state"][pid][key], value), (pid, key)
+        assert_same_values(weights, reference_weights, msg=str(key))
 
 
 def test_state_dict_is_the_plain_optimizers():
@@ -80,10 +55,9 @@ def test_state_dict_is_the_plain_optimizers():
     ref = torch.optim.AdamW(_param_groups(plain), lr=1e-2)
     optimizer = torch.optim.AdamW(_param_groups(model), lr=1e-2)
     get_flat_storage(model).attach_optimizer(optimizer)  # type: ignore[union-attr]
-    for _ in range(2):
-        ids = tokens()
-        assert _step(model, optimizer, ids) == _step(plain, ref, ids)
-    _assert_same_state(optimizer.state_dict(), ref.state_dict())
+    batches = [tokens() for _ in range(2)]
+    assert train_steps(model, optimizer, batches, lm_loss) == train_steps(plain, ref, batches, lm_loss)
+    assert_same_optim_state(optimizer.state_dict(), ref.state_dict())
 
 
 def test_load_state_dict_takes_both_formats_and_training_continues_alike():
@@ -92,9 +66,9 @@ def test_load_state_dict_takes_both_formats_and_training_continues_alike():
     ref = torch.optim.AdamW(_param_groups(plain), lr=1e-2)
     optimizer = torch.optim.AdamW(_param_groups(model), lr=1e-2)
     attachment = get_flat_storage(model).attach_optimizer(optimizer)  # type: ignore[union-attr]
-    for _ in range(2):
-        ids = tokens()
-        _step(model, optimizer, ids), _step(plain, ref, ids)
+    batches = [tokens() for _ in range(2)]
+    train_steps(model, optimizer, batches, lm_loss)
+    train_steps(plain, ref, batches, lm_loss)
     flat_resumed, plain_resumed = copy.deepcopy(model), copy.deepcopy(plain)
     flat_opt = torch.optim.AdamW(_param_groups(flat_resumed), lr=1e-2)
     get_flat_storage(flat_resumed).attach_optimizer(flat_opt)  # type: ignore[union-attr]
@@ -106,13 +80,12 @@ def test_load_state_dict_takes_both_formats_and_training_continues_alike():
     assert [len(g["params"]) for g in own["param_groups"]] == [1, 1]
     attachment = get_flat_storage(model).attach_optimizer(optimizer)  # type: ignore[union-attr]
     optimizer.load_state_dict(own)
-    ids = tokens()
-    losses = [_step(m, o, ids) for m, o in ((plain, ref), (model, optimizer), (flat_resumed, flat_opt))]
-    losses.append(_step(plain_resumed, plain_opt, ids))
-    assert losses == [losses[0]] * 4
+    ids = [tokens()]
+    runs = ((plain, ref), (model, optimizer), (flat_resumed, flat_opt), (plain_resumed, plain_opt))
+    logged = [train_steps(m, o, ids, lm_loss) for m, o in runs]
+    assert logged == [logged[0]] * 4
     for m in (model, flat_resumed, plain_resumed):
-        for (key, a), b in zip(m.state_dict().items(), plain.state_dict().values()):
-            assert torch.equal(a, b), key
+        assert_same_values(m, plain)
 
 
 def test_attaching_again_returns_the_attachment_and_remove_detaches():
@@ -199,7 +172,7 @@ def test_trainer_resumes_across_forms_in_both_directions(tmp_path: Path):
                 register_flat_storage(m, weight_decay_groups(m))
             trainer = _trainer(m, tmp_path / f"{source}-{form}", max_steps=5)
             trainer.train(resume_from_checkpoint=str(tmp_path / source / "checkpoint-3"))
-            results[source, form] = (losses(trainer), _weights(m))
+            results[source, form] = (losses(trainer), values(m))
     _assert_all_alike(results, steps=5)  # the 3 logged before the checkpoint, then 2
 
 
@@ -216,7 +189,7 @@ def test_lightning_resumes_across_forms_in_both_directions(tmp_path: Path):
         for flat in (False, True):
             module = LitLM(flat, seed=5)
             lightning_trainer(max_steps=5).fit(module, loader(), ckpt_path=tmp_path / f"{source}.ckpt")
-            results[source, flat] = (module.losses, _weights(module.model))
+            results[source, flat] = (module.losses, values(module.model))
     _assert_all_alike(results, steps=2)
 
 
@@ -237,15 +210,10 @@ def _run(flat: bool, steps: range, setup: Any, save: Any = None, load: Any = Non
     if load is not None:
         load(model, optimizer)
         assert all(entry["step"] == 3 for entry in optimizer.state_dict()["state"].values())
-    logged = []
     batches = _batches()
-    for step in steps:
-        ids = batches[step % len(batches)]
-        optimizer.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        backward(loss)
-        optimizer.step()
-        logged.append(loss.item())
+    logged = train_steps(
+        model, optimizer, (batches[s % len(batches)] for s in steps), lm_loss, backward=backward
+    )
     if save is not None:
         save(model, optimizer)
     return logged, model
@@ -258,7 +226,7 @@ def _check_resume_across_forms(setup: Any, save: Any, load: Any) -> None:
     for source in (False, True):
         for flat in (False, True):
             logged, model = _run(flat, range(3, 5), setup, load=lambda m, o, src=source: load(m, o, src))
-            results[source, flat] = (logged, _weights(model))
+            results[source, flat] = (logged, values(model))
     _assert_all_alike(results, steps=2)
 
 
@@ -308,6 +276,6 @@ def test_named_optimizers_save_plain_names_with_their_prefix():
         o.step()
     saved = optimizer.state_dict()
     assert saved["param_groups"][0]["param_names"] == ref.state_dict()["param_groups"][0]["param_names"]
-    _assert_same_state(saved, ref.state_dict())
+    assert_same_optim_state(saved, ref.state_dict())
     optimizer.load_state_dict(ref.state_dict())
-    _assert_same_state(optimizer.state_dict(), ref.state_dict())
+    assert_same_optim_state(optimizer.state_dict(), ref.state_dict())

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import TiedLM, spawn_gloo
+from _helpers import TiedLM, assert_same_values, mean_square, spawn_gloo, train_steps
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -37,11 +37,7 @@ def _model() -> nn.Module:
 
 def _train(model: nn.Module, batches: list[torch.Tensor], rank: int, world: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for tokens in batches:
-        part = tokens.chunk(world)[rank]
-        optimizer.zero_grad()
-        model(part).pow(2).mean().backward()
-        optimizer.step()
+    train_steps(model, optimizer, batches, lambda m, tokens: mean_square(m, tokens.chunk(world)[rank]))
 
 
 def _worker(rank: int, world: int, out: Path) -> None:
@@ -70,8 +66,4 @@ def test_ddp_on_two_gloo_processes_matches_one_process_on_the_whole_batch(tmp_pa
     expected = single.state_dict()
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        assert list(got) == list(expected)
-        for key in expected:
-            torch.testing.assert_close(
-                got[key], expected[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}"
-            )
+        assert_same_values(got, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank}:")

@@ -11,7 +11,7 @@ from transformers import Trainer
 
 from flatten_parametrize import register_flat_storage, weight_decay_groups
 
-from _helpers import twin
+from _helpers import assert_same_values, twin
 from _hf import gpt2, lm_dataset, losses, training_args
 
 
@@ -55,8 +55,7 @@ def test_trainer_with_weight_decay_trains_like_the_plain_model(tmp_path: Path):
         trainer.train()
         logged.append(losses(trainer))
     assert len(logged[0]) == 5 and logged[0] == logged[1]
-    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
-        assert torch.equal(a, b), key
+    assert_same_values(model, plain)
 
 
 def test_no_decay_takes_a_callable_of_name_and_param():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,17 @@ from torch.utils.checkpoint import checkpoint
 from flatten_parametrize import register_flat_storage, remove_flat_storage
 from flatten_parametrize._distributed import grad_sync as _distributed
 
-from _helpers import core_of, launch_gloo, launch_results, mlp, save_result, values
+from _helpers import (
+    assert_same_values,
+    core_of,
+    grads,
+    launch_gloo,
+    launch_results,
+    mlp,
+    save_result,
+    train_steps,
+    values,
+)
 
 # ------------------------------------------------------------------ launching
 
@@ -211,10 +220,8 @@ def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
     first, second = launch_results(two_ranks, "sync_training")
     for result in (first, second):
         assert result["groups"] > 2
-        for key in result["plain"]:
-            torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
-    for key in first["synced"]:
-        assert torch.equal(first["synced"][key], second["synced"][key])
+        assert_same_values(result["synced"], result["plain"], close=True)
+    assert_same_values(first["synced"], second["synced"])
 
 
 @pytest.mark.slow
@@ -222,8 +229,7 @@ def test_gradients_divided_in_backward_train_like_one_process(two_ranks):
     """With large segments backward divides by the world size and the collective only sums; same training."""
     for result in launch_results(two_ranks, "divided_in_backward"):
         assert set(result["ops"]) == {"sum"}, result["ops"]
-        for key in result["plain"]:
-            torch.testing.assert_close(result["synced"][key], result["plain"][key], msg=key)
+        assert_same_values(result["synced"], result["plain"], close=True)
 
 
 @pytest.mark.slow
@@ -274,15 +280,6 @@ def test_failing_rank_does_not_hang_the_others(two_ranks):
 
 
 # ------------------------------------------------------- one process, world 1
-
-
-@pytest.fixture
-def world1() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -453,9 +450,7 @@ def test_grad_sync_reduces_each_group_once_per_backward(collectives):
         model(x).sum().backward()
         plain(x).sum().backward()
         assert sorted(_reduced_groups(storage, collectives)) == ["0", "1", "2"]
-    grads = {name: grad for name, grad in storage.named_grads()}
-    for name, param in plain.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad)
+    assert_same_values(grads(model), grads(plain), close=True)
 
 
 def test_grad_sync_starts_collectives_during_backward_in_the_learned_order(world1, monkeypatch):
@@ -861,14 +856,10 @@ def test_bucketed_model_trains_like_plain():
     register_flat_storage(model, bucket_cap_mb=0.0005)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     ref = torch.optim.Adam(plain.parameters(), lr=0.01)
-    for _ in range(3):
-        x = torch.randn(4, 8)
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            m(x).pow(2).mean().backward()
-            o.step()
-    for key, value in values(plain).items():
-        torch.testing.assert_close(values(model)[key], value, msg=key)
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
+    assert_same_values(model, plain, close=True)
 
 
 def test_bucket_cap_with_explicit_groups_is_refused():

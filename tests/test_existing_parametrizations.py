@@ -11,7 +11,7 @@ from torch.nn.utils import parametrizations, parametrize
 
 from flatten_parametrize import register_flat_storage, remove_flat_storage
 
-from _helpers import assert_close_state, twin
+from _helpers import assert_same_values, grads, train_steps, twin, values
 
 _PARAMETRIZATIONS = {
     "weight_norm": parametrizations.weight_norm,
@@ -53,15 +53,13 @@ def test_forward_and_backward_match_the_plain_model():
     """Outputs and gradients of the original tensors equal those of the plain model."""
     plain = _net()
     model = twin(plain)
-    storage = register_flat_storage(model)
+    register_flat_storage(model)
     x = torch.randn(7, 4)
     out, expected = model(x), plain(x)
     assert torch.equal(out, expected)
     out.pow(2).sum().backward()
     expected.pow(2).sum().backward()
-    grads = dict(storage.named_grads())
-    for key, param in plain.named_parameters():
-        torch.testing.assert_close(grads[key], param.grad, msg=key)
+    assert_same_values(grads(model), grads(plain), close=True)
 
 
 def test_training_matches_the_plain_model():
@@ -71,13 +69,10 @@ def test_training_matches_the_plain_model():
     register_flat_storage(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref = torch.optim.Adam(plain.parameters(), lr=1e-2)
-    for _ in range(4):
-        x = torch.randn(6, 4)
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            m(x).pow(2).mean().backward()
-            o.step()
-    assert_close_state(model, plain, rtol=1e-5, atol=1e-6)
+    batches = [torch.randn(6, 4) for _ in range(4)]
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
+    assert_same_values(model, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dicts_have_the_plain_keys_and_load_both_ways():
@@ -87,7 +82,7 @@ def test_state_dicts_have_the_plain_keys_and_load_both_ways():
     storage = register_flat_storage(model)
     assert list(model.state_dict()) == list(plain.state_dict())
     model.load_state_dict(plain.state_dict())
-    assert_close_state(model, plain, rtol=1e-5, atol=1e-6)
+    assert_same_values(model, plain, rtol=1e-5, atol=1e-6)
     x = torch.randn(3, 4)
     model.eval()
     plain.eval()
@@ -96,11 +91,11 @@ def test_state_dicts_have_the_plain_keys_and_load_both_ways():
         storage["0"].mul_(0.5)
     back = _net()
     back.load_state_dict(model.state_dict())
-    assert_close_state(back, model, rtol=1e-5, atol=1e-6)
+    assert_same_values(back, model, rtol=1e-5, atol=1e-6)
     fresh = _net()
     register_flat_storage(fresh)
     fresh.load_state_dict(storage.flat_state_dict())
-    assert_close_state(fresh, model, rtol=1e-5, atol=1e-6)
+    assert_same_values(fresh, model, rtol=1e-5, atol=1e-6)
 
 
 def test_cached_parametrizations_still_work():
@@ -123,11 +118,11 @@ def test_remove_flat_storage_gives_back_the_parametrized_model():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(x).sum().backward()
     opt.step()
-    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    trained = values(model)
     remove_flat_storage(model)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
     assert list(model.state_dict()) == list(plain.state_dict())
-    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    assert_same_values(model, trained)
     assert type(model[0].parametrizations.weight) is parametrize.ParametrizationList
     assert parametrize.type_before_parametrizations(model[0]) is nn.Linear
     assert "parametrizations" not in model[0].parametrizations.weight.__dict__

@@ -11,6 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
 
+from _helpers import assert_same_values, train_steps, values
+
 
 class _Net(nn.Module):
     """Layers whose reset_parameters() draw from the RNG (Linear, Embedding) or set constants (LayerNorm)."""
@@ -88,8 +90,7 @@ def test_to_empty_and_reset_parameters_initialize_the_flat_buffer():
     flat = storage["0"]
     assert type(flat) is FlatParameter and flat.device.type == "cpu" and get_flat_storage(model) is storage
     assert torch.isfinite(flat).all()
-    for (key, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
-        assert torch.equal(value, expected), key
+    assert_same_values(model, reference)
     start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     assert all(start <= view.data_ptr() < end for _, view in storage.named_views())
 
@@ -121,18 +122,9 @@ def test_materialized_model_trains_like_the_plain_model():
     plain = _on_cpu(seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(3):
-        tokens = torch.randint(0, 13, (4, 5))
-        losses = []
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            loss = m(tokens).pow(2).mean()
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
-    for (key, value), (_, expected) in zip(model.state_dict().items(), plain.state_dict().items()):
-        torch.testing.assert_close(value, expected, msg=key)
+    batches = [torch.randint(0, 13, (4, 5)) for _ in range(3)]
+    assert train_steps(model, opt, batches) == train_steps(plain, ref, batches)
+    assert_same_values(model, plain, close=True)
 
 
 def test_padding_is_zero_after_to_empty():
@@ -153,11 +145,11 @@ def test_materialized_model_unflattens_and_removes_on_cpu():
     model = _on_meta()
     storage = register_flat_storage(model)
     _materialize(model)
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = values(model)
     with storage.unflattened():
         assert all(p.device.type == "cpu" and p.is_leaf for p in model.parameters())
         assert model.fc1.weight.data_ptr() == storage["0"].data_ptr() + 8 * 13 * 4  # after embed.weight
     remove_flat_storage(model)
     assert type(model.fc1) is nn.Linear and isinstance(model.fc1.weight, nn.Parameter)
-    for key, value in model.state_dict().items():
-        assert value.device.type == "cpu" and torch.equal(value, expected[key]), key
+    assert all(value.device.type == "cpu" for value in model.state_dict().values())
+    assert_same_values(model, expected)

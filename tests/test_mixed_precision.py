@@ -7,7 +7,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import TiedLM, twin
+from _helpers import TiedLM, assert_same_values, grads, train_steps, twin
 
 
 def _net() -> nn.Sequential:
@@ -16,6 +16,17 @@ def _net() -> nn.Sequential:
 
 def _autocast() -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _float_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The mean square of the output in float32."""
+    return model(batch).float().pow(2).mean()
+
+
+def _autocast_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The forward under bfloat16 autocast, the loss (:func:`_float_loss`) in float32."""
+    with _autocast():
+        return _float_loss(model, batch)
 
 
 def test_autocast_forward_and_backward_match_the_plain_model():
@@ -31,9 +42,7 @@ def test_autocast_forward_and_backward_match_the_plain_model():
     expected.float().pow(2).sum().backward()
     flat = storage["0"]
     assert flat.dtype == torch.float32 and flat.grad is not None and flat.grad.dtype == torch.float32
-    grads = dict(storage.named_grads())
-    for key, param in plain.named_parameters():
-        torch.testing.assert_close(grads[key], param.grad, msg=key)
+    assert_same_values(grads(model), grads(plain), close=True)
 
 
 def test_autocast_training_matches_the_plain_model():
@@ -43,17 +52,11 @@ def test_autocast_training_matches_the_plain_model():
     register_flat_storage(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    for _ in range(3):
-        tokens = torch.randint(0, 11, (3, 4))
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            with _autocast():
-                loss = m(tokens).float().pow(2).mean()
-            loss.backward()
-            o.step()
-    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
-        assert a.dtype == torch.float32
-        torch.testing.assert_close(a, b, msg=key)
+    batches = [torch.randint(0, 11, (3, 4)) for _ in range(3)]
+    train_steps(model, opt, batches, _autocast_loss)
+    train_steps(plain, ref, batches, _autocast_loss)
+    assert all(value.dtype == torch.float32 for value in model.state_dict().values())
+    assert_same_values(model, plain, close=True)
 
 
 def test_bfloat16_model_flattens_into_a_bfloat16_buffer():
@@ -65,16 +68,12 @@ def test_bfloat16_model_flattens_into_a_bfloat16_buffer():
     assert model[0].weight.dtype == torch.bfloat16
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for _ in range(3):
-        x = torch.randn(4, 8, dtype=torch.bfloat16)
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            m(x).float().pow(2).mean().backward()
-            o.step()
+    batches = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
+    train_steps(model, opt, batches, _float_loss)
+    train_steps(plain, ref, batches, _float_loss)
     assert storage["0"].grad.dtype == torch.bfloat16
-    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
-        assert a.dtype == torch.bfloat16
-        torch.testing.assert_close(a, b, msg=key)
+    assert all(value.dtype == torch.bfloat16 for value in model.state_dict().values())
+    assert_same_values(model, plain, close=True)
 
 
 def test_converting_the_flattened_model_to_bfloat16_converts_the_buffer():
@@ -84,8 +83,7 @@ def test_converting_the_flattened_model_to_bfloat16_converts_the_buffer():
     storage = register_flat_storage(model)
     model.to(torch.bfloat16)
     assert [f.dtype for f in storage.flat_params] == [torch.bfloat16]
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, expected[key]), key
+    assert_same_values(model, expected)
     assert model(torch.randn(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 

@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import flatten_parametrize._features.offload as offload_module
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import TiedLM, WithOwnParam, core_of, mlp, twin, values
+from _helpers import TiedLM, WithOwnParam, assert_same_values, core_of, mlp, train_steps, twin, values
 
 
 def _file_values(path: Path, dtype: torch.dtype) -> torch.Tensor:
@@ -62,8 +62,7 @@ def test_offload_keeps_values_and_backs_each_group_by_a_file(tmp_path):
     assert _in_file(model.fc.weight, storage)
     for name, flat in zip(storage.group_names, storage.flat_params):
         assert torch.equal(_file_values(storage.offload_files[name], flat.dtype), flat.detach())
-    for key, value in values(model).items():
-        assert torch.equal(value, before[key]), key
+    assert_same_values(model, before)
 
 
 def test_offload_handles_bfloat16_and_half_buffers(tmp_path):
@@ -87,18 +86,14 @@ def test_offloaded_training_matches_training_in_memory(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # built before offload: same objects after
     ref = torch.optim.Adam(plain.parameters(), lr=1e-2)
     storage.offload_to_disk(tmp_path)
-    for _ in range(3):
-        tokens = torch.randint(0, 11, (4, 5))
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            m(tokens).pow(2).mean().backward()
-            o.step()
+    batches = [torch.randint(0, 11, (4, 5)) for _ in range(3)]
+    train_steps(model, opt, batches)
+    train_steps(plain, ref, batches)
     assert storage.is_offloaded
     flat = storage["0"]
     assert flat.grad is not None and not _in_file(flat.grad, storage)  # gradients stay in RAM
     assert not _in_file(opt.state[flat]["exp_avg"], storage)  # so does optimizer state
-    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
+    assert_same_values(model, plain, rtol=0, atol=0)
     assert torch.equal(model.head.weight, model.embed.weight)
 
 
@@ -129,8 +124,7 @@ def test_state_dicts_save_and_load_while_offloaded(tmp_path):
     torch.save(plain, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
-    for key, value in plain.items():
-        assert torch.equal(loaded[key], value), key
+    assert_same_values(loaded, plain)
     flat_sd = {k: v.clone() for k, v in storage.flat_state_dict().items()}
     model.load_state_dict(other.state_dict())
     [path] = storage.offload_files.values()
@@ -204,8 +198,7 @@ def test_remove_flat_storage_gives_ram_parameters_and_deletes_files(tmp_path):
     assert model.head.weight is model.embed.weight
     for param in model.parameters():
         assert param.untyped_storage().data_ptr() not in mapped
-    for key, value in values(model).items():
-        assert torch.equal(value, before[key]), key
+    assert_same_values(model, before)
     with torch.no_grad():
         model.body.weight.add_(1.0)  # still a working parameter
 
@@ -428,8 +421,7 @@ print(json.dumps({
 def _assert_untouched(model: nn.Module, storage: FlatStorage, before: dict[str, torch.Tensor]) -> None:
     assert not storage.is_offloaded
     assert _disk(storage)._files == {}
-    for key, value in values(model).items():
-        assert torch.equal(value, before[key]), key
+    assert_same_values(model, before)
 
 
 def test_offload_to_missing_directory_raises_and_keeps_weights(tmp_path):

@@ -13,36 +13,9 @@ from torch.nn.utils import parametrizations
 from flatten_parametrize import register_flat_storage
 from flatten_parametrize._state.optim import flat_optim_state_dict, plain_optim_state_dict
 
-from _helpers import TiedLM, WithOwnParam, assert_close_state, mlp, twin
+from _helpers import TiedLM, WithOwnParam, assert_same_optim_state, assert_same_values, mlp, train_steps, twin
 
 Step = Callable[[nn.Module, torch.optim.Optimizer], None]
-
-
-def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Iterable[torch.Tensor]) -> None:
-    for x in inputs:
-        optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-
-
-def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    assert_close_state(a, b, rtol=1e-6, atol=1e-7)
-
-
-def _assert_same_state(a: dict, b: dict) -> None:
-    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == [
-        {k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]
-    ]
-    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
-    assert list(a["state"]) == list(b["state"])
-    for pid in a["state"]:
-        assert list(a["state"][pid]) == list(b["state"][pid])
-        for key, value in a["state"][pid].items():
-            other = b["state"][pid][key]
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(value, other), (pid, key)
-            else:
-                assert value == other, (pid, key)
 
 
 def _batches(n: int, width: int = 5) -> list[torch.Tensor]:
@@ -54,16 +27,16 @@ def test_adam_state_moves_from_plain_to_flattened():
     xs = _batches(6)
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _steps(model, optimizer, xs[:3])
+    train_steps(model, optimizer, xs[:3])
     plain = twin(model)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
     plain_opt.load_state_dict(optimizer.state_dict())
     storage = register_flat_storage(model, align=4)
     flat_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     flat_opt.load_state_dict(flat_optim_state_dict(storage, optimizer.state_dict()))
-    _steps(model, flat_opt, xs[3:])
-    _steps(plain, plain_opt, xs[3:])
-    _assert_same_weights(model, plain)
+    train_steps(model, flat_opt, xs[3:])
+    train_steps(plain, plain_opt, xs[3:])
+    assert_same_values(model, plain, rtol=1e-6, atol=1e-7)
 
 
 def test_adam_state_moves_from_flattened_to_plain():
@@ -72,21 +45,21 @@ def test_adam_state_moves_from_flattened_to_plain():
     model = mlp()
     storage = register_flat_storage(model, align=4)
     flat_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _steps(model, flat_opt, xs[:3])
+    train_steps(model, flat_opt, xs[:3])
     plain = mlp(seed=1)
     plain.load_state_dict(model.state_dict())
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
     plain_opt.load_state_dict(plain_optim_state_dict(storage, flat_opt.state_dict()))
-    _steps(model, flat_opt, xs[3:])
-    _steps(plain, plain_opt, xs[3:])
-    _assert_same_weights(model, plain)
+    train_steps(model, flat_opt, xs[3:])
+    train_steps(plain, plain_opt, xs[3:])
+    assert_same_values(model, plain, rtol=1e-6, atol=1e-7)
 
 
 def test_round_trip_gives_back_the_same_state():
     """plain -> flat -> plain is the identity on Adam's state, and padding is zero in the flat state."""
     model = mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
-    _steps(model, optimizer, _batches(2))
+    train_steps(model, optimizer, _batches(2))
     storage = register_flat_storage(model, align=8)
     flat = flat_optim_state_dict(storage, optimizer.state_dict())
     exp_avg = flat["state"][0]["exp_avg"]
@@ -95,26 +68,26 @@ def test_round_trip_gives_back_the_same_state():
     for info in storage.param_infos:
         mask[info.offset : info.offset + info.numel] = False
     assert mask.any() and not exp_avg[mask].any()
-    _assert_same_state(plain_optim_state_dict(storage, flat), optimizer.state_dict())
+    assert_same_optim_state(plain_optim_state_dict(storage, flat), optimizer.state_dict())
 
 
 def test_converted_state_shares_no_memory_with_the_input():
     """Changing the converted state (or the source optimizer afterwards) leaves the other untouched."""
     model = WithOwnParam()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _steps(model, optimizer, [torch.randn(4, 3)])
+    train_steps(model, optimizer, [torch.randn(4, 3)])
     storage = register_flat_storage(model, ["fc.*"])  # scale and bn.* stay ordinary parameters
     source = optimizer.state_dict()
     before = copy.deepcopy(source)
     converted = flat_optim_state_dict(storage, source)
     for entry in converted["state"].values():
         entry["momentum_buffer"].add_(1.0)
-    _assert_same_state(source, before)
+    assert_same_optim_state(source, before)
     kept = copy.deepcopy(converted)
     back = plain_optim_state_dict(storage, converted)
     for entry in back["state"].values():
         entry["momentum_buffer"].add_(1.0)
-    _assert_same_state(converted, kept)
+    assert_same_optim_state(converted, kept)
 
 
 def test_left_out_parameters_keep_their_state_both_ways():
@@ -122,7 +95,7 @@ def test_left_out_parameters_keep_their_state_both_ways():
     xs = [torch.randn(6, 3) for _ in range(4)]
     model = WithOwnParam()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    _steps(model, optimizer, xs[:2])
+    train_steps(model, optimizer, xs[:2])
     plain = twin(model)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     plain_opt.load_state_dict(optimizer.state_dict())
@@ -131,9 +104,9 @@ def test_left_out_parameters_keep_their_state_both_ways():
     converted = flat_optim_state_dict(storage, optimizer.state_dict())
     flat_opt.load_state_dict(converted)
     assert len(converted["state"]) == 3  # scale, flat_param_0, fc.bias
-    _steps(model, flat_opt, xs[2:])
-    _steps(plain, plain_opt, xs[2:])
-    _assert_same_weights(model, plain)
+    train_steps(model, flat_opt, xs[2:])
+    train_steps(plain, plain_opt, xs[2:])
+    assert_same_values(model, plain, rtol=1e-6, atol=1e-7)
     back = plain_optim_state_dict(storage, flat_opt.state_dict())
     for a, b in zip(back["state"].values(), plain_opt.state_dict()["state"].values()):
         torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"], rtol=1e-6, atol=1e-7)
@@ -144,16 +117,16 @@ def test_tied_parameters_convert_once_both_ways():
     xs = [torch.randint(0, 11, (3, 4)) for _ in range(4)]
     model = TiedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _steps(model, optimizer, xs[:2])
+    train_steps(model, optimizer, xs[:2])
     plain = twin(model)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     plain_opt.load_state_dict(optimizer.state_dict())
     storage = register_flat_storage(model)
     flat_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     flat_opt.load_state_dict(flat_optim_state_dict(storage, optimizer.state_dict()))
-    _steps(model, flat_opt, xs[2:])
-    _steps(plain, plain_opt, xs[2:])
-    _assert_same_weights(model, plain)
+    train_steps(model, flat_opt, xs[2:])
+    train_steps(plain, plain_opt, xs[2:])
+    assert_same_values(model, plain, rtol=1e-6, atol=1e-7)
     back = plain_optim_state_dict(storage, flat_opt.state_dict())
     assert len(back["state"]) == len(list(plain.parameters())) == 5
 
@@ -162,7 +135,7 @@ def test_tied_parameter_may_be_named_by_its_alias():
     """param_names may name a tied parameter by any of its names."""
     model = TiedLM()
     optimizer = torch.optim.Adam(model.parameters())
-    _steps(model, optimizer, [torch.randint(0, 11, (2, 3))])
+    train_steps(model, optimizer, [torch.randint(0, 11, (2, 3))])
     names = ["head.weight", "norm.weight", "norm.bias", "body.weight", "body.bias"]
     storage = register_flat_storage(model)
     converted = flat_optim_state_dict(storage, optimizer.state_dict(), param_names=names)
@@ -182,7 +155,7 @@ def test_named_param_groups_follow_the_flat_groups():
         ]
 
     optimizer = torch.optim.AdamW(groups(model.named_parameters()), lr=1e-2)
-    _steps(model, optimizer, xs[:3])
+    train_steps(model, optimizer, xs[:3])
     plain = twin(model)
     plain_opt = torch.optim.AdamW(groups(plain.named_parameters()), lr=1e-2)
     plain_opt.load_state_dict(optimizer.state_dict())
@@ -201,9 +174,9 @@ def test_named_param_groups_follow_the_flat_groups():
     ]
     assert [g["weight_decay"] for g in converted["param_groups"]] == [0.1, 0.0]
     flat_opt.load_state_dict(converted)
-    _steps(model, flat_opt, xs[3:])
-    _steps(plain, plain_opt, xs[3:])
-    _assert_same_weights(model, plain)
+    train_steps(model, flat_opt, xs[3:])
+    train_steps(plain, plain_opt, xs[3:])
+    assert_same_values(model, plain, rtol=1e-6, atol=1e-7)
     back = plain_optim_state_dict(storage, flat_opt.state_dict())
     assert [g["param_names"] for g in back["param_groups"]] == [
         g["param_names"] for g in plain_opt.state_dict()["param_groups"]
@@ -215,7 +188,7 @@ def test_param_names_give_the_optimizer_order():
     model = mlp(depth=2)
     named = list(model.named_parameters())[::-1]
     optimizer = torch.optim.Adam([p for _, p in named], lr=1e-2)
-    _steps(model, optimizer, _batches(2))
+    train_steps(model, optimizer, _batches(2))
     storage = register_flat_storage(model)
     converted = flat_optim_state_dict(storage, optimizer.state_dict(), param_names=[n for n, _ in named])
     views = storage.views_of([converted["state"][0]["exp_avg"]])
@@ -230,7 +203,7 @@ def test_frozen_group_stays_out_of_both_optimizers():
     model = mlp()
     model[0].requires_grad_(False)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    _steps(model, optimizer, _batches(2))
+    train_steps(model, optimizer, _batches(2))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     storage = register_flat_storage(model)  # groups '0' (frozen, seen first) and '1' (trainable)
     assert not storage["0"].requires_grad
@@ -239,7 +212,7 @@ def test_frozen_group_stays_out_of_both_optimizers():
     flat_opt = torch.optim.Adam([storage["1"]], lr=1e-2)
     flat_opt.load_state_dict(converted)
     back = plain_optim_state_dict(storage, flat_opt.state_dict(), param_names=["flat_param_1"])
-    _assert_same_state(back, optimizer.state_dict())
+    assert_same_optim_state(back, optimizer.state_dict())
 
 
 def test_members_without_state_get_zeros():
@@ -247,7 +220,7 @@ def test_members_without_state_get_zeros():
     model = mlp(depth=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model[2].requires_grad_(False)
-    _steps(model, optimizer, _batches(1))  # model[2] gets no gradient, hence no state
+    train_steps(model, optimizer, _batches(1))  # model[2] gets no gradient, hence no state
     model[2].requires_grad_(True)
     storage = register_flat_storage(model)
     views = storage.views_of([flat_optim_state_dict(storage, optimizer.state_dict())["state"][0]["exp_avg"]])
@@ -258,11 +231,11 @@ def test_conversion_works_in_unflattened_mode():
     """Converting does not depend on the storage's mode and does not change it."""
     model = WithOwnParam()
     optimizer = torch.optim.Adam(model.parameters())
-    _steps(model, optimizer, [torch.randn(4, 3)])
+    train_steps(model, optimizer, [torch.randn(4, 3)])
     storage = register_flat_storage(model, ["fc.*"])
     flat = flat_optim_state_dict(storage, optimizer.state_dict())
     with storage.unflattened():
-        _assert_same_state(flat_optim_state_dict(storage, optimizer.state_dict()), flat)
+        assert_same_optim_state(flat_optim_state_dict(storage, optimizer.state_dict()), flat)
         assert not storage.is_flattened
 
 
@@ -270,7 +243,7 @@ def test_converted_names_follow_module_parameters_order():
     """The converted param_names are those of optimizers built from named_parameters() on each side."""
     model = WithOwnParam()
     optimizer = torch.optim.Adam(model.named_parameters())
-    _steps(model, optimizer, [torch.randn(4, 3)])
+    train_steps(model, optimizer, [torch.randn(4, 3)])
     storage = register_flat_storage(model, ["fc.*", "bn.weight"])
     converted = flat_optim_state_dict(storage, optimizer.state_dict())
     expected = torch.optim.Adam(model.named_parameters()).state_dict()["param_groups"][0]["param_names"]
@@ -283,7 +256,7 @@ def test_converted_names_follow_module_parameters_order():
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
     model = mlp(depth=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _steps(model, optimizer, _batches(1))
+    train_steps(model, optimizer, _batches(1))
     return model, optimizer
 
 
@@ -319,7 +292,7 @@ def test_refuses_a_state_dict_of_another_model():
     storage = register_flat_storage(model)
     other = mlp(depth=3)
     other_opt = torch.optim.Adam(other.parameters())
-    _steps(other, other_opt, _batches(1))
+    train_steps(other, other_opt, _batches(1))
     with pytest.raises(ValueError, match="it holds 6 parameters, the plain module has 4; pass param_names"):
         flat_optim_state_dict(storage, other_opt.state_dict())
     named_opt = torch.optim.Adam(nn.Linear(5, 5).named_parameters())
@@ -329,7 +302,7 @@ def test_refuses_a_state_dict_of_another_model():
         flat_optim_state_dict(storage, named_opt.state_dict())
     wider = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))
     wider_opt = torch.optim.Adam(wider.parameters())
-    _steps(wider, wider_opt, _batches(1))
+    train_steps(wider, wider_opt, _batches(1))
     with pytest.raises(ValueError, match=r"state 'exp_avg' of 0.weight is \(6, 5\), the parameter \(5, 5\)"):
         flat_optim_state_dict(storage, wider_opt.state_dict())
 

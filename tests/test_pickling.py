@@ -22,7 +22,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
-from _helpers import Mixed, TiedLM, WithOwnParam, assert_same_values, mlp, twin, values
+from _helpers import Mixed, TiedLM, WithOwnParam, assert_same_values, mlp, train_steps, twin, values
 
 
 def _input(model: nn.Module) -> torch.Tensor:
@@ -48,6 +48,11 @@ def _round_trip(model: nn.Module, how: str) -> Any:
         buffer.seek(0)
         return torch.load(buffer, weights_only=False)
     return copy.deepcopy(model)
+
+
+def _float_mean_square(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The mean square of the output in float32 (the cases' outputs have several dtypes)."""
+    return model(batch).float().pow(2).mean()
 
 
 def assert_same_flattened(loaded: nn.Module, original: nn.Module) -> None:
@@ -82,11 +87,7 @@ def test_the_registered_module_loads_as_the_same_flattened_model(case, how):
     assert_same_flattened(loaded, flat)
     x = _input(plain)
     for model in (plain, loaded):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(2):
-            opt.zero_grad()
-            model(x).float().pow(2).mean().backward()
-            opt.step()
+        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), [x] * 2, _float_mean_square)
     assert_same_values(values(loaded), values(plain), rtol=1e-5, atol=1e-6)
     assert torch.allclose(loaded(x), plain(x), rtol=1e-5, atol=1e-6)
 

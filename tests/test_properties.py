@@ -30,7 +30,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import assert_unchanged, core_of, snapshot
+from _helpers import assert_same_values, assert_unchanged, core_of, snapshot, train_steps, values
 
 D = 8  # feature size of every leaf
 B = 4  # batch size
@@ -261,10 +261,8 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
     @rule(seed=SEEDS)
     def train_step(self, seed: int) -> None:
         x = inputs(seed)
-        for model, opt in ((self.model, self.opt), (self.plain, self.plain_opt)):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
+        train_steps(self.model, self.opt, [x])
+        train_steps(self.plain, self.plain_opt, [x])
 
     @rule(seed=SEEDS)
     def backward_only(self, seed: int) -> None:
@@ -403,14 +401,14 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
         """The twin's state dict plus noise (one noise per tensor, so tied names agree)."""
         gen = torch.Generator().manual_seed(seed)
         noise: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        values: OrderedDict[str, torch.Tensor] = OrderedDict()
+        state: OrderedDict[str, torch.Tensor] = OrderedDict()
         for key, value in self.plain_target.state_dict().items():
             ident = (value.data_ptr(), value.dtype)
             if ident not in noise:
                 noise[ident] = 0.1 * torch.randn(value.shape, generator=gen).to(value.dtype)
             new = value + noise[ident]
-            values[key] = new if dtype is None else new.to(dtype)
-        return values
+            state[key] = new if dtype is None else new.to(dtype)
+        return state
 
     @rule(
         seed=SEEDS,
@@ -505,10 +503,7 @@ class FlattenedModelMatchesItsPlainTwin(RuleBasedStateMachine):
 
     @invariant()
     def agrees_with_plain(self) -> None:
-        model_state, plain_state = self.model.state_dict(), self.plain.state_dict()
-        assert list(model_state) == list(plain_state)
-        for key, value in plain_state.items():
-            _close(model_state[key], value, f"value of {key}")
+        assert_same_values(self.model, self.plain, rtol=RTOL, atol=ATOL, msg="value of")
         plain_grads = {n: p.grad for n, p in self.plain.named_parameters(remove_duplicate=False)}
         model_grads = self._model_grads()
         assert sorted(model_grads) == sorted(plain_grads)
@@ -610,16 +605,13 @@ def test_both_state_dict_forms_carry_a_model_into_a_fresh_copy(net, data, seed):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net(inputs(seed)).pow(2).mean().backward()
     opt.step()
-    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    expected = values(net)
     for state in (storage.flat_state_dict(), net.state_dict()):
         with torch.no_grad():
             for flat in storage_fresh.flat_params:
                 flat.zero_()
         fresh.load_state_dict(state)
-        got = fresh.state_dict()
-        assert list(got) == list(expected)
-        for key, value in expected.items():
-            assert torch.equal(got[key], value), key
+        assert_same_values(fresh, expected)
 
 
 def _same_groups(groups: Any, source: nn.Module, target: nn.Module) -> Any:

@@ -20,7 +20,7 @@ from torch import nn
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 
-from _helpers import Mixed, TiedLM, WithOwnParam
+from _helpers import Mixed, TiedLM, WithOwnParam, assert_same_values, train_steps, values
 
 
 def _inputs(factory: Callable[[], nn.Module]) -> Any:
@@ -67,19 +67,12 @@ def _roundtrip(obj: Any, tmp_path: Path | None = None, mmap: bool = False) -> An
     return torch.load(path, weights_only=True, mmap=mmap)
 
 
-def _assert_same_state(got: nn.Module, expected: dict[str, torch.Tensor]) -> None:
-    state = got.state_dict()
-    assert list(state) == list(expected)
-    for key, value in expected.items():
-        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_unflattened_checkpoint_loads_with_weights_only_anywhere(case):
     """module.state_dict() survives weights_only loading into a plain, a same and an other-layout model."""
     factory, groups, align = CASES[case]
     model, _ = _trained(factory, groups, align)
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = values(model)
     loaded = _roundtrip(model.state_dict())
     assert all(type(v) is torch.Tensor for v in loaded.values())
     plain, same, other = factory(), factory(), factory()
@@ -87,7 +80,7 @@ def test_unflattened_checkpoint_loads_with_weights_only_anywhere(case):
     register_flat_storage(other, align=8)
     for target in (plain, same, other):
         target.load_state_dict(loaded)
-        _assert_same_state(target, expected)
+        assert_same_values(target, expected)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,7 +88,7 @@ def test_flat_checkpoint_loads_with_weights_only_into_the_same_layout(case):
     """storage.flat_state_dict() survives weights_only loading and restores every value."""
     factory, groups, align = CASES[case]
     model, storage = _trained(factory, groups, align)
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected = values(model)
     loaded = _roundtrip(storage.flat_state_dict())
     assert list(loaded) == list(storage.flat_state_dict())
     for group in storage.group_names:
@@ -104,7 +97,7 @@ def test_flat_checkpoint_loads_with_weights_only_into_the_same_layout(case):
     fresh = factory()
     register_flat_storage(fresh, groups(fresh), align=align)
     fresh.load_state_dict(loaded)
-    _assert_same_state(fresh, expected)
+    assert_same_values(fresh, expected)
 
 
 def test_flat_checkpoint_of_another_layout_is_refused_after_weights_only_loading():
@@ -113,10 +106,10 @@ def test_flat_checkpoint_of_another_layout_is_refused_after_weights_only_loading
     loaded = _roundtrip(storage.flat_state_dict())
     other = TiedLM()
     register_flat_storage(other, align=8)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
+    before = values(other)
     with pytest.raises(ValueError, match=r"flat state dict for group '0' was written for another layout"):
         other.load_state_dict(loaded)
-    _assert_same_state(other, before)
+    assert_same_values(other, before)
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -150,13 +143,10 @@ def test_a_training_checkpoint_resumes_exactly_where_it_stopped(tmp_path, form, 
     storage = register_flat_storage(model, {"embed": ["embed.weight"], "rest": ["norm.*", "body.*"]})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def step(m: nn.Module, o: torch.optim.Optimizer) -> None:
-        o.zero_grad()
-        m(x).logsumexp(-1).mean().backward()
-        o.step()
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return m(batch).logsumexp(-1).mean()
 
-    for _ in range(3):
-        step(model, opt)
+    train_steps(model, opt, [x] * 3, loss)
     state = model.state_dict() if form == "unflattened" else storage.flat_state_dict()
     checkpoint = _roundtrip({"model": state, "optim": opt.state_dict(), "step": 3}, tmp_path, mmap)
     resumed = TiedLM()
@@ -165,10 +155,9 @@ def test_a_training_checkpoint_resumes_exactly_where_it_stopped(tmp_path, form, 
     resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     resumed_opt.load_state_dict(checkpoint["optim"])
     assert checkpoint["step"] == 3
-    for _ in range(3):
-        step(model, opt)
-        step(resumed, resumed_opt)
-    _assert_same_state(resumed, {k: v.clone() for k, v in model.state_dict().items()})
+    train_steps(model, opt, [x] * 3, loss)
+    train_steps(resumed, resumed_opt, [x] * 3, loss)
+    assert_same_values(resumed, values(model))
 
 
 def test_a_deep_copied_models_checkpoint_loads_with_weights_only():
@@ -181,4 +170,4 @@ def test_a_deep_copied_models_checkpoint_loads_with_weights_only():
         fresh = WithOwnParam()
         register_flat_storage(fresh)
         fresh.load_state_dict(_roundtrip(state))
-        _assert_same_state(fresh, {k: v.clone() for k, v in model.state_dict().items()})
+        assert_same_values(fresh, values(model))

@@ -14,7 +14,6 @@ import copy
 import functools
 import math
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +31,17 @@ from flatten_parametrize import (
 )
 from flatten_parametrize._distributed import sharded as _sharded
 
-from _helpers import core_of, launch_gloo, launch_results, mlp, save_result, values
+from _helpers import (
+    assert_same_optim_state,
+    assert_same_values,
+    core_of,
+    launch_gloo,
+    launch_results,
+    mlp,
+    save_result,
+    train_steps,
+    values,
+)
 
 BATCH = 12  # divisible by 2 and 3 ranks
 
@@ -292,10 +301,8 @@ def _checkpoint_model() -> tuple[_Net, Any, ShardedOptimizer]:
 
 
 def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, world: int) -> None:
-    for step in steps:
-        _lm_loss(model, step, _mine(rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
+    """Train on this rank's part of the batches of ``steps`` (backward, step, zero_grad)."""
+    train_steps(model, opt, steps, lambda m, step: _lm_loss(m, step, _mine(rank, world)), zero_grad_last=True)
 
 
 def _scenario_checkpoint_save(rank: int, world: int, outdir: Path) -> dict[str, Any]:
@@ -457,14 +464,12 @@ def ranks(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 def _assert_trained_alike(result: dict[str, Any], msg: str = "") -> None:
-    for key, value in result["plain"].items():
-        torch.testing.assert_close(result["sharded"][key], value, rtol=1e-6, atol=1e-6, msg=f"{msg} {key}")
+    assert_same_values(result["sharded"], result["plain"], rtol=1e-6, atol=1e-6, msg=msg)
 
 
 def _assert_ranks_equal(results: list[dict[str, Any]]) -> None:
     for other in results[1:]:
-        for key, value in results[0]["sharded"].items():
-            assert torch.equal(other["sharded"][key], value), key
+        assert_same_values(other["sharded"], results[0]["sharded"])
 
 
 # ------------------------------------------------------------ training on 2 and 3 ranks
@@ -562,38 +567,26 @@ def test_flattened_model_trains_like_the_plain_one_under_other_engines(two_ranks
     """FSDP2's fully_shard and ZeroRedundancyOptimizer + DDP train a flattened model like the plain one."""
     for result in launch_results(two_ranks, "engines"):
         plain, flat, initial = (result[f"{engine}, {k}"] for k in ("flat=False", "flat=True", "initial"))
-        assert list(flat) == list(plain)
         for key, value in plain.items():
             assert not torch.allclose(value, initial[key]), key
-            torch.testing.assert_close(flat[key], value, rtol=1e-6, atol=1e-6, msg=key)
+        assert_same_values(flat, plain, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------- checkpoints
-
-
-def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for key in a["state"]:
-        assert a["state"][key].keys() == b["state"][key].keys()
-        for name, value in a["state"][key].items():
-            torch.testing.assert_close(
-                value, b["state"][key][name], rtol=1e-6, atol=1e-7, msg=f"{key} {name}"
-            )
 
 
 @pytest.mark.slow
 def test_state_dict_is_the_single_process_format_on_every_rank(two_ranks):
     """state_dict() after 3 steps equals a single-process optimizer's over the same flat model."""
     for result in launch_results(two_ranks, "checkpoint"):
-        _assert_same_state(result["gathered"], result["single"])
+        assert_same_optim_state(result["gathered"], result["single"], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow
 def test_state_dict_converts_to_the_plain_models_format(two_ranks):
     """plain_optim_state_dict turns the gathered state into the plain model's optimizer state."""
     result = launch_results(two_ranks, "checkpoint")[0]
-    _assert_same_state(result["as_plain"], result["plain"])
+    assert_same_optim_state(result["as_plain"], result["plain"], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -602,17 +595,7 @@ def test_resharding_2_to_3_continues_like_an_uninterrupted_run(three_ranks):
     uninterrupted = launch_results(three_ranks["saved"], "checkpoint")[0]["uninterrupted"][0]
     for result in launch_results(three_ranks, "resume"):
         for how in ("gathered", "sharded"):
-            for key, value in uninterrupted.items():
-                torch.testing.assert_close(result[how][key], value, rtol=1e-6, atol=1e-6, msg=f"{how} {key}")
-
-
-@pytest.fixture
-def world1() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+            assert_same_values(result[how], uninterrupted, rtol=1e-6, atol=1e-6, msg=how)
 
 
 @pytest.mark.slow
@@ -631,8 +614,7 @@ def test_resharding_3_to_1_continues_like_an_uninterrupted_run(three_ranks, worl
                 [torch.load(outdir / f"sharded3.{r}.pt", mmap=True) for r in range(3)]
             )
         _train_steps(model, opt, range(4, 5), 0, 1)
-        for key, value in uninterrupted.items():
-            torch.testing.assert_close(values(model)[key], value, rtol=1e-6, atol=1e-6, msg=f"{how} {key}")
+        assert_same_values(model, uninterrupted, rtol=1e-6, atol=1e-6, msg=how)
 
 
 @pytest.mark.slow
@@ -653,10 +635,9 @@ def _small() -> tuple[nn.Module, Any]:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 0) -> None:
+    """One step (backward, step, zero_grad) on a batch drawn from ``seed``."""
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))
-    model(x).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
+    train_steps(model, opt, [x], zero_grad_last=True)
 
 
 def test_needs_an_initialized_process_group():
@@ -677,8 +658,7 @@ def test_one_rank_trains_like_the_plain_optimizer(world1, shard):
     for seed in range(3):
         _step(model, opt, seed)
         _step(plain, ref, seed)
-    for key, value in plain.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[key], value)
+    assert_same_values(model, plain, close=True)
 
 
 def test_storage_must_be_a_flat_storage(world1):
@@ -803,8 +783,7 @@ def test_state_dict_runs_hooks_and_shares_nothing(world1):
     before = copy.deepcopy(sd)
     opt.load_state_dict(sd)
     _step(model, opt, seed=1)
-    for key, value in before["state"][0].items():
-        assert torch.equal(sd["state"][0][key], value), key
+    assert_same_values(sd["state"][0], before["state"][0])
 
 
 def test_load_state_dict_checks_before_changing_anything(world1):

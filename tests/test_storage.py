@@ -8,7 +8,7 @@ from torch import nn
 
 from flatten_parametrize import ParamInfo, register_flat_storage
 
-from _helpers import TiedLM, WithOwnParam, mlp, twin
+from _helpers import TiedLM, WithOwnParam, assert_same_values, mlp, sum_square, train_steps, twin
 
 
 def test_param_infos_describe_every_slot():
@@ -101,13 +101,9 @@ def test_optimizer_built_unflattened_trains_like_the_plain_model():
     with storage.unflattened():
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         ref = torch.optim.Adam(plain.parameters(), lr=0.01)
-        for _ in range(3):
-            for m, o in ((model, opt), (plain, ref)):
-                o.zero_grad()
-                m(x).pow(2).sum().backward()
-                o.step()
-    for (name, view), (_, p) in zip(storage.named_views(), plain.named_parameters()):
-        torch.testing.assert_close(view, p, msg=name)
+        train_steps(model, opt, [x] * 3, sum_square)
+        train_steps(plain, ref, [x] * 3, sum_square)
+    assert_same_values(dict(storage.named_views()), dict(plain.named_parameters()), close=True)
 
 
 def test_unflattened_restores_the_previous_mode_on_error():

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import flatten_parametrize
@@ -304,16 +303,12 @@ def test_flat_storage_has_exactly_the_contracts_public_names():
     assert extra == [] and set(missing) <= FLAT_STORAGE_NOT_YET, f"extra: {extra}; missing: {missing}"
 
 
-def test_sharded_optimizer_adds_exactly_the_contracts_public_names():
+def test_sharded_optimizer_adds_exactly_the_contracts_public_names(world1):
     """``dir(opt)`` shows ``torch.optim.Optimizer``'s public names plus exactly the contract's."""
     base = _public(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {}))
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = nn.Linear(2, 2)
-        opt = ShardedOptimizer(register_flat_storage(model), torch.optim.SGD, lr=0.1)
-        public = _public(opt) - base
-    finally:
-        dist.destroy_process_group()
+    model = nn.Linear(2, 2)
+    opt = ShardedOptimizer(register_flat_storage(model), torch.optim.SGD, lr=0.1)
+    public = _public(opt) - base
     extra, missing = sorted(public - SHARDED_OPTIMIZER_PUBLIC), sorted(SHARDED_OPTIMIZER_PUBLIC - public)
     assert extra == [] and missing == [], f"extra: {extra}; missing: {missing}"
 

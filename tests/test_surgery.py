@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage
 
-from _helpers import TiedLM, assert_same_values, twin, values
+from _helpers import TiedLM, assert_agrees_with_twin, assert_same_values, twin, values
 
 
 class Net(nn.Module):
@@ -57,32 +57,6 @@ def _seeded(change: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
     return apply
 
 
-def assert_agree(plain: nn.Module, flat: nn.Module, x: torch.Tensor) -> None:
-    """Forward, both state dicts, unflattened(), optimizer and removal agree with the twin."""
-    storage = get_flat_storage(flat)
-    assert torch.equal(flat(x), plain(x))
-    assert_same_values(values(flat), values(plain))
-    reloaded = twin(plain)
-    reloaded.load_state_dict({k: v.clone() for k, v in flat.state_dict().items()})
-    assert_same_values(values(reloaded), values(plain))
-    flat_copy = twin(flat)
-    flat_copy.load_state_dict({k: v.clone() for k, v in storage.flat_state_dict().items()})
-    assert_same_values(values(flat_copy), values(plain))
-    with storage.unflattened():
-        names = [n for n, _ in flat.named_parameters()]
-        assert names == [n for n, _ in plain.named_parameters()]
-        assert torch.equal(flat(x), plain(x))
-    for model in (plain, flat):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model(x).pow(2).sum().backward()
-        opt.step()
-    assert_same_values(values(flat), values(plain), rtol=1e-6, atol=1e-7)
-    removed = twin(flat)
-    remove_flat_storage(removed)
-    assert [n for n, _ in removed.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    assert_same_values(values(removed), values(plain))
-
-
 CHANGES: dict[str, Callable[[nn.Module], None]] = {
     "reset_classifier": _seeded(lambda m: m.reset_classifier(5)),
     "replace_body_layer": _seeded(lambda m: m.body.__setitem__(0, nn.Linear(4, 6))),
@@ -106,7 +80,7 @@ def test_a_changed_structure_agrees_with_the_plain_model_everywhere(change, mode
     if mode == "unflattened":
         storage.flatten()
     x = torch.randn(3, 4)
-    assert_agree(plain, flat, x)
+    assert_agrees_with_twin(plain, flat, x, step=True)
 
 
 def test_summary_shows_replaced_slots_as_dead_space():
@@ -136,7 +110,7 @@ def test_an_adapter_wrapped_and_unloaded_peft_style_keeps_working():
     for model in (plain, flat):
         model.body[0] = model.body[0][0]  # unload: the base layer is back where it was
         del model.body.adapter
-    assert_agree(plain, flat, x)
+    assert_agrees_with_twin(plain, flat, x, step=True)
 
 
 def test_replacing_one_name_of_a_tied_parameter_keeps_the_other():
@@ -149,7 +123,7 @@ def test_replacing_one_name_of_a_tied_parameter_keeps_the_other():
         model.head = nn.Linear(6, 11, bias=False)
     tokens = torch.randint(0, 11, (2, 4))
     assert "embed.weight (= head.weight)" not in storage.summary()
-    assert_agree(plain, flat, tokens)
+    assert_agrees_with_twin(plain, flat, tokens, step=True)
 
 
 def test_pickling_after_a_replacement_is_refused_with_the_path():

@@ -12,8 +12,9 @@ from transformers import GPT2LMHeadModel
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import mlp, twin
+from _helpers import assert_same_values, mlp, train_steps, twin
 from _hf import gpt2 as _gpt2
+from _hf import lm_loss
 from _hf import tokens as _tokens
 
 
@@ -41,18 +42,10 @@ def test_gpt2_trains_like_the_plain_model():
     register_flat_storage(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    for _ in range(3):
-        ids = _tokens()
-        losses = []
-        for m, o in ((model, opt), (plain, ref)):
-            o.zero_grad()
-            loss = m(ids, labels=ids).loss
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
-        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
-    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=key)
+    batches = [_tokens() for _ in range(3)]
+    losses = train_steps(model, opt, batches, lm_loss)
+    assert losses == pytest.approx(train_steps(plain, ref, batches, lm_loss), rel=1e-6)
+    assert_same_values(model, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_generate_matches_the_plain_model():
@@ -77,10 +70,7 @@ def test_save_pretrained_and_from_pretrained_round_trip(tmp_path: Path):
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
-    saved, back = model.state_dict(), loaded.state_dict()
-    assert list(back) == list(saved)
-    for key in saved:
-        assert torch.equal(back[key], saved[key]), key
+    assert_same_values(loaded, model)
     ids = _tokens()
     model.eval()
     assert torch.equal(loaded(ids).logits, model(ids).logits)
@@ -95,8 +85,7 @@ def test_safetensors_save_file_accepts_the_flattened_state_dict(tmp_path: Path):
     save_file(model.state_dict(), tmp_path / "model.safetensors")
     plain = mlp(seed=1)
     plain.load_state_dict(load_file(tmp_path / "model.safetensors"))
-    for key, value in plain.state_dict().items():
-        assert torch.equal(value, model.state_dict()[key]), key
+    assert_same_values(plain, model)
     untied = _gpt2(tie=False)
     register_flat_storage(untied)
     save_file(untied.state_dict(), tmp_path / "gpt2.safetensors")

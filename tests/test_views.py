@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 
-from _helpers import mlp
+from _helpers import mlp, sum_square, train_steps
 
 
 def _graph_nodes(tensor: torch.Tensor) -> list[str]:
@@ -94,9 +94,7 @@ def test_views_are_rebuilt_after_an_optimizer_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x = torch.randn(4, 5)
     for _ in range(3):
-        opt.zero_grad()
-        model(x).pow(2).sum().backward()
-        opt.step()
+        train_steps(model, opt, [x], sum_square)
         weight = model[0].weight
         torch.testing.assert_close(weight.detach(), storage["0"].detach()[:25].view(5, 5))
 
@@ -463,11 +461,8 @@ def test_grad_mode_views_are_kept_across_in_place_updates_and_train_like_plain()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(4, 5)
     for _ in range(3):
-        for module, optimizer in ((model, opt), (plain, plain_opt)):
-            optimizer.zero_grad()
-            loss = module(x).pow(2).sum()
-            loss.backward()
-            optimizer.step()
+        train_steps(model, opt, [x], sum_square)
+        train_steps(plain, plain_opt, [x], sum_square)
         assert torch.equal(model(x), plain(x).detach()) or torch.allclose(model(x), plain(x), atol=1e-6)
         torch.testing.assert_close(dict(storage.named_grads())["0.weight"], plain[0].weight.grad)
     assert model[0].weight is before  # the same view, following the updated buffer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterator
 
 import ema_pytorch
 import opacus
@@ -13,7 +14,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import assert_same_values, mlp, values
+from _helpers import assert_same_values, mlp, train_steps
 
 
 def _convnet(seed: int = 0) -> nn.Sequential:
@@ -32,26 +33,21 @@ def _convnet(seed: int = 0) -> nn.Sequential:
     )
 
 
-def _train(model: nn.Module, steps: int, after_step: object = None) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def _batches(model: nn.Module, steps: int) -> Iterator[torch.Tensor]:
+    """``steps`` seeded batches: images for the convnet, vectors for the mlp."""
     generator = torch.Generator().manual_seed(0)
-    losses = []
     for _ in range(steps):
-        x = torch.randn(4, 3, 8, 8, generator=generator) if isinstance(model[0], nn.Conv2d) else None
-        if x is None:
-            x = torch.randn(4, 5, generator=generator)
-        optimizer.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        optimizer.step()
-        if callable(after_step):
-            after_step()
-        losses.append(loss.item())
-    return losses
+        if isinstance(model[0], nn.Conv2d):
+            yield torch.randn(4, 3, 8, 8, generator=generator)
+        else:
+            yield torch.randn(4, 5, generator=generator)
 
 
-def _same(a: nn.Module, b: nn.Module) -> None:
-    assert_same_values(values(a), values(b))
+def _train(model: nn.Module, steps: int, after_step: Callable[[], None] | None = None) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return train_steps(
+        model, optimizer, _batches(model, steps), lambda m, x: m(x).square().mean(), after_step=after_step
+    )
 
 
 def test_batchnorm_convnet_trains_like_the_plain_model():
@@ -60,7 +56,7 @@ def test_batchnorm_convnet_trains_like_the_plain_model():
     model = copy.deepcopy(plain)
     register_flat_storage(model)
     assert _train(model, 3) == _train(plain, 3)
-    _same(model, plain)
+    assert_same_values(model, plain)
     x = torch.randn(2, 3, 8, 8)
     assert torch.equal(model.eval()(x), plain.eval()(x))
 
@@ -75,7 +71,7 @@ def test_torch_averaged_model_ema_matches_the_plain_one():
         ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
         _train(m, 3, after_step=lambda ema=ema, m=m: ema.update_parameters(m))
         averages.append(ema)
-    _same(averages[0], averages[1])
+    assert_same_values(averages[0], averages[1])
 
 
 def test_ema_pytorch_matches_the_plain_one_and_ignore_names_takes_flat_names():
@@ -88,7 +84,7 @@ def test_ema_pytorch_matches_the_plain_one_and_ignore_names_takes_flat_names():
         ema = ema_pytorch.EMA(m, beta=0.9, update_after_step=0, update_every=1, ignore_names=ignore)
         _train(m, 3, after_step=ema.update)
         emas.append(ema.ema_model)
-    _same(emas[0], emas[1])
+    assert_same_values(emas[0], emas[1])
     averaged = ema_pytorch.EMA(mlp(), beta=0.9, update_after_step=0, update_every=1)
     _train(averaged.online_model, 3, after_step=averaged.update)
     assert not torch.equal(averaged.ema_model[0].bias, emas[1][0].bias)  # ignore_names did something
@@ -103,7 +99,7 @@ def test_torch_ema_matches_the_plain_one():
         ema = torch_ema.ExponentialMovingAverage(m.parameters(), decay=0.9)
         _train(m, 3, after_step=ema.update)
         ema.copy_to(m.parameters())
-    _same(model, plain)
+    assert_same_values(model, plain)
 
 
 def test_torch_export_reads_the_flat_parameter():

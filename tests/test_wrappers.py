@@ -19,8 +19,8 @@ from flatten_parametrize import (
     weight_decay_groups,
 )
 
-from _helpers import mlp
-from _hf import gpt2, tokens
+from _helpers import mlp, train_steps
+from _hf import gpt2, lm_loss, tokens
 
 
 def _lora(seed: int = 0) -> PeftModel:
@@ -66,12 +66,9 @@ def test_the_wrapped_model_keeps_working_as_the_plain_one(tmp_path: Path):
     assert model.get_nb_trainable_parameters() == plain.get_nb_trainable_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-    for _ in range(3):
-        batch = tokens()
-        for m, o in ((model, opt), (plain, ref_opt)):
-            o.zero_grad()
-            m(input_ids=batch, labels=batch).loss.backward()
-            o.step()
+    batches = [tokens() for _ in range(3)]
+    train_steps(model, opt, batches, lm_loss)
+    train_steps(plain, ref_opt, batches, lm_loss)
     assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
     generated = model.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False)
     assert torch.equal(generated, plain.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False))

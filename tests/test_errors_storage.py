@@ -1,0 +1,110 @@
+"""get_flat_storage, remove_flat_storage, storage[...], a detached storage and pickling refuse bad calls.
+
+Each test pins the exception type and the part of the message that names the offending module, group
+or key together with the rule it breaks, and (for calls on a module) checks with
+:func:`assert_unchanged` that the failed call left the module exactly as it was: same parameter
+objects, bit-for-bit the same values, same classes, library attributes, hooks and storage.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+
+from _helpers import assert_plain, assert_unchanged, bn_mlp, registered_bn_mlp, snapshot
+
+# --------------------------------------- get_flat_storage / remove_flat_storage
+
+
+@pytest.mark.parametrize("obj", ["model", None, torch.zeros(2)])
+def test_get_refuses_a_non_module(obj):
+    """get_flat_storage needs an nn.Module: TypeError naming the type."""
+    with pytest.raises(TypeError, match=rf"get_flat_storage needs an nn\.Module; got {type(obj).__name__}"):
+        get_flat_storage(obj)  # type: ignore[arg-type]
+
+
+def test_remove_refuses_a_module_without_storage():
+    """remove_flat_storage needs the registered module: ValueError naming its class."""
+    model = bn_mlp()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"Sequential has no flat storage to remove"):
+        remove_flat_storage(model)
+    assert_unchanged(model, snap)
+    assert_plain(model)
+
+
+def test_remove_refuses_a_submodule_of_the_registered_module():
+    """A submodule does not own the storage: ValueError, and the registered module is unchanged."""
+    model, _ = registered_bn_mlp()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"Linear has no flat storage to remove; pass the module given to"):
+        remove_flat_storage(model[0])
+    assert_unchanged(model, snap)
+
+
+def test_remove_refuses_a_non_module():
+    """remove_flat_storage needs an nn.Module: TypeError naming the type."""
+    with pytest.raises(TypeError, match=r"needs an nn\.Module; got dict"):
+        remove_flat_storage({})  # type: ignore[arg-type]
+
+
+def test_remove_refuses_a_reshaped_parameter_in_unflattened_mode():
+    """remove_flat_storage cannot write back a parameter of another shape: RuntimeError, nothing removed."""
+    model, storage = registered_bn_mlp()
+    storage.unflatten()
+    model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    snap = snapshot(model)
+    with pytest.raises(
+        RuntimeError, match=r"cannot flatten: 0\.weight has shape \(2, 2\) but its slot .* holds \(4, 3\)"
+    ):
+        remove_flat_storage(model)
+    assert_unchanged(model, snap)
+    assert get_flat_storage(model) is storage
+    assert not storage.is_flattened
+
+
+# ----------------------------------- storage[...], a detached storage, pickling
+
+
+def test_storage_getitem_refuses_an_unknown_group():
+    """storage[name] of an unknown group is a KeyError naming it and listing the groups."""
+    _model, storage = registered_bn_mlp()
+    with pytest.raises(KeyError, match=r"no group 'nope' in this flat storage; groups are \['a', 'b'\]"):
+        storage["nope"]
+
+
+def test_storage_getitem_refuses_a_non_str_key():
+    """storage[0] is a TypeError that lists the group names (groups are named by str)."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    storage = register_flat_storage(model)
+    with pytest.raises(TypeError, match=r"named by str; got int 0; groups are \['0'\]"):
+        storage[0]  # type: ignore[index]
+
+
+def test_detached_storage_refuses_to_serve():
+    """After remove_flat_storage the coordinator is detached: RuntimeError saying so."""
+    model, storage = registered_bn_mlp()
+    remove_flat_storage(model)
+    snap = snapshot(model)
+    with pytest.raises(
+        RuntimeError, match=r"this flat storage is detached: .*remove_flat_storage was called"
+    ):
+        _ = storage.module
+    with pytest.raises(RuntimeError, match=r"this flat storage is detached"):
+        list(storage.named_views())
+    assert_unchanged(model, snap)
+    assert_plain(model)
+
+
+def test_pickling_a_flat_storage_is_refused():
+    """A FlatStorage cannot be pickled: RuntimeError saying to save a state dict instead."""
+    model, storage = registered_bn_mlp()
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"a FlatStorage cannot be pickled on its own; pickle the"):
+        pickle.dumps(storage)
+    assert_unchanged(model, snap)
