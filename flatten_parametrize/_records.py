@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 
-from ._flat_parameter import FlatParameter
+from ._flat_parameter import FlatParameter, serve
 from ._layout import GroupLayout
 from ._view_cache import GroupViews
 
@@ -95,6 +95,9 @@ class Group:
     flat: FlatParameter
     members: tuple[Slot, ...]
 
+    def __post_init__(self) -> None:
+        serve(self.flat, self.views)  # its `.data` setter and `.grad` getter reach the view cache
+
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""
         return self.views.split(tensor)
@@ -147,8 +150,8 @@ class Coordinator(Protocol):
     def flat_buffers_replaced(self) -> None:
         """Tell the coordinator (and every feature) that flat buffers were swapped (``.data``)."""
 
-    def sync_writes(self) -> None:
-        """Land (or refuse) the writes made around the views since the last call."""
+    def sync_writes(self, *, forward: bool = False) -> None:
+        """Land (or refuse) the writes made around the views (``forward``: the cheap check)."""
 
     def members(self) -> list[tuple[nn.Module, ModuleState]]:
         """Every module this storage changed (still alive), with its state."""

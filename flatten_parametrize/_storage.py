@@ -37,7 +37,6 @@ from ._names import (
     UNFLATTENED,
     flat_layout_name,
     flat_param_name,
-    library_state,
     registered_storage,
 )
 from ._offload import DiskOffload
@@ -47,7 +46,7 @@ from ._records import Group, ModuleState, ParamInfo, Slot, StagedValue
 from ._state_dict import Snapshot, commit_staged, layout_record
 from ._transaction import Transaction, atomically
 from ._view_cache import GroupViews, same_memory
-from ._writes import check_flat_replacement, land_direct_writes, land_parameter, watch
+from ._writes import check_flat_replacement, land_direct_writes, land_parameter
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -102,6 +101,8 @@ class FlatStorage:
         self._pending: list[StagedValue] | None = None
         #: The modules this storage changed, with their state (recorded at registration).
         self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
+        #: ``_owners`` by module id, for ``state_of``.
+        self._owner_ids: dict[int, tuple[weakref.ref[nn.Module], ModuleState]] | None = None
         self._grad_sync = GradSync(self)
         self._disk = DiskOffload(self)
         self._functional = Functional(self)
@@ -487,22 +488,36 @@ class FlatStorage:
                 if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
                 and state.storage is self
             ]
+            self._owner_ids = {id(ref()): (ref, state) for ref, state in self._owners}
         return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
 
     def state_of(self, module: nn.Module) -> ModuleState | None:
-        """Return the library's state of ``module`` if this storage changed it, in either mode."""
-        state = library_state(module)
+        """Return the library's state of ``module`` if this storage changed it, in either mode.
+
+        In unflattened mode the modules other than the registered one keep no state in
+        their ``__dict__``: it is found among the members this storage recorded.
+        """
+        state = module.__dict__.get(MODULE_STATE_ATTR)
+        if state is None and self._owner_ids is not None:
+            found = self._owner_ids.get(id(module))
+            state = found[1] if found is not None and found[0]() is module else None
         return state if isinstance(state, ModuleState) and state.storage is self else None
 
-    def sync_writes(self) -> None:
+    def sync_writes(self, *, forward: bool = False) -> None:
         """Land the writes made around the views since the last call, or refuse them.
 
         A replaced flat parameter (``module.flat_param_0 = p``,
         ``module._parameters["flat_param_0"] = p``) is adopted, parameters put
         into a flattened module's ``_parameters`` and tensors assigned to a
         view's ``.data`` are copied into their slots (see ``_writes.py``).
-        Internal: the registered module's forward, state dicts, toggles,
-        loading and removal call it. Does nothing in unflattened mode.
+        Internal: state dicts, toggles, loading, copying and removal call it.
+        Does nothing in unflattened mode.
+
+        Args:
+            forward: the registered module's forward (its pre-hook): only an
+                identity check per group, and a scan of the views of a group
+                whose cache switched entries since the last forward. Parameters
+                put into ``_parameters`` land when their attribute is read.
 
         Raises:
             RuntimeError: for a write that cannot land (it is undone).
@@ -517,11 +532,11 @@ class FlatStorage:
             replaced: list[tuple[Group, Any]] = []
             for group in self._groups:
                 current = params.get(group.flat_name)
+                if current is group.flat:
+                    continue
                 # A plain tensor there is functional_call's substitute; a tensor subclass is
                 # another engine's (FSDP2 registers DTensor parameters): both are left alone.
-                adoptable = (nn.Parameter, FlatParameter)
-                substitute = isinstance(current, Tensor) and type(current) not in adoptable
-                if current is group.flat or substitute:
+                if isinstance(current, Tensor) and type(current) not in (nn.Parameter, FlatParameter):
                     continue
                 try:
                     check_flat_replacement(group, current)
@@ -531,6 +546,10 @@ class FlatStorage:
                 replaced.append((group, current))
             if replaced:
                 self._adopt_replacements(replaced)
+        if forward:
+            for group in self._groups:
+                group.views.land_flagged()
+            return
         land_direct_writes(self.members())
         for group in self._groups:
             group.views.sync()
@@ -781,6 +800,7 @@ class FlatStorage:
                 if module in UNFLATTENED:
                     UNFLATTENED[memo[id(module)]] = state_copy
                 new._owners.append((weakref.ref(memo[id(module)]), state_copy))
+        new._owner_ids = {id(ref()): (ref, state) for ref, state in new._owners}
         new._grad_sync = self._grad_sync.copy_for(new, memo)
         new._disk = self._disk.copy_for(new, memo)
         new._functional = self._functional.copy_for(new, memo)
@@ -1245,7 +1265,6 @@ def install_storage(storage: FlatStorage) -> None:
     """Make ``storage`` take over its module (classes, parametrizations, flat parameters), atomically."""
     atomically(lambda tx: surgery.install(storage, tx))
     storage.members()  # recorded now: unflattened mode takes the state out of the modules
-    watch(storage)
 
 
 def remove_storage(storage: FlatStorage) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._flat_parameter import FlatParameter, _as_flat_parameter
+from ._flat_parameter import FlatParameter, _as_flat_parameter, serve
 from ._layout import GroupLayout
 from ._module_classes import METHODS, add_property, make_class
 from ._names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
@@ -122,6 +122,8 @@ def refresh_originals(groups: Sequence[Group], slots: Sequence[Slot], tx: Transa
             tx.set_attr(slot.param, "data", target)
         else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
             tx.swap_tensors(slot.param, nn.Parameter(target, requires_grad=slot.param.requires_grad))
+    for group in groups:
+        serve(group.flat, group.views)  # again: `swap_tensors` moves a tensor's `__dict__`
     invalidate(groups)
 
 
