@@ -47,6 +47,12 @@ class FlatParameter(nn.Parameter):
     layout of its group, so it keeps meaning after ``torch.save`` /
     ``pickle`` and ``copy.deepcopy``.
 
+    Its ``.data`` and ``.grad`` behave as torch's, with two additions for the
+    group it serves: assigning ``.data`` (``module.to()``, ``vector_to_parameters``,
+    disk offload) drops the group's cached views, and reading ``.grad`` (as every
+    optimizer step and ``zero_grad`` do) first copies the values assigned to
+    views' ``.data`` (``layer.weight.data = t``) into the buffer.
+
     Args:
         data: the one-dimensional buffer.
         requires_grad: whether the parameter requires a gradient. Default: ``True``.
