@@ -542,6 +542,10 @@ def _try_fault(
 
 def _clean_run(name: str, counting: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     model, op = SCENARIOS[name]()
+    # What _try_fault does before the operation: the view cache remembers which grad mode
+    # read last (a read in another one scans for `.data` writes), so the counts depend on it.
+    snapshot(model)
+    _output(model)
     with counting() as counter:
         op()
     return counter, outcome(model)

@@ -15,8 +15,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize._core.view_cache import WRITE_SCANS
 
-from _helpers import TiedLM, assert_same_values, mlp, twin, values
+from _helpers import TiedLM, assert_same_values, core_of, mlp, twin, values
 
 
 def _pair(factory: Callable[[], nn.Module] = mlp, **kwargs: Any) -> tuple[nn.Module, nn.Module, Any]:
@@ -336,3 +337,126 @@ def test_peft_merge_and_unload_equals_the_plain_model(safe_merge):
         merged.append(peft.get_peft_model(model, config).merge_and_unload(safe_merge=safe_merge))
     assert get_flat_storage(merged[1]) is storage
     assert_agree(merged[0], merged[1], torch.randn(3, 4))
+
+
+# ------------------------------------------------------- when writes land, and what a forward costs
+def _scans() -> dict[str, int]:
+    return dict(WRITE_SCANS)
+
+
+def _scanned_by(fn: Callable[[], Any]) -> dict[str, int]:
+    """The `_parameters` dicts and cached views that the write checks visited while ``fn`` ran."""
+    before = _scans()
+    fn()
+    return {key: WRITE_SCANS[key] - before[key] for key in before}
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).eval()
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
+def test_a_forward_in_which_nothing_was_written_scans_nothing(mode):
+    """Steady forwards visit no `_parameters` dict and no cached view looking for writes (a count)."""
+    model = _encoder()
+    storage = register_flat_storage(model)
+    x = torch.randn(2, 4, 16)
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
+
+    def forwards() -> None:
+        for _ in range(5):
+            with context():
+                model(x)
+
+    forwards()  # the first reads make the views; the next forward checks them once
+    assert _scanned_by(forwards) == {"parameters": 0, "views": 0}
+    # The old check visited every changed module and every cached view on each forward.
+    core = core_of(storage)
+    assert _scanned_by(core.sync_writes)["parameters"] == len(core.members()) > 10
+    if mode == "grad":  # a training step: the optimizer lands writes by reading the flat gradient
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).sum().backward()
+        assert _scanned_by(opt.step)["parameters"] == 0
+
+
+def test_a_forward_after_a_write_lands_it():
+    """A `.data` write read in another grad mode is found and landed; `_parameters` entries land on read."""
+    plain, flat, storage = _pair()
+    x = torch.randn(2, 5)
+    for model in (plain, flat):
+        with torch.no_grad():
+            model(x)
+            model(x)
+    with torch.no_grad():
+        assert _scanned_by(lambda: flat(x)) == {"parameters": 0, "views": 0}
+    new = torch.randn(5, 5)
+    for model in (plain, flat):
+        model[2].weight.data = new.clone()  # a read in grad mode: another cache entry
+    with torch.no_grad():
+        scanned = _scanned_by(lambda: torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0))
+    assert scanned["views"] > 0
+    assert torch.equal(storage["0"].detach()[30:55].view(5, 5), new)
+    bias = torch.randn(5)
+    for model in (plain, flat):
+        model[4]._parameters["bias"] = nn.Parameter(bias.clone())
+    with torch.no_grad():
+        scanned = _scanned_by(lambda: torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0))
+    assert scanned["parameters"] == 0  # landed by the read of `4.bias`, no dict was scanned
+    assert "bias" not in flat[4]._parameters and torch.equal(storage["0"].detach()[85:90], bias)
+    assert_agree(plain, flat)
+
+
+@pytest.mark.parametrize("when", ["before the forward", "after the backward", "without a forward"])
+def test_a_data_write_lands_before_the_optimizer_steps(when):
+    """The optimizer reads the flat gradient before it steps: it lands a `.data` write made any time."""
+    plain, flat, _ = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, flat)]
+    x = torch.randn(3, 5)
+    new = torch.randn(5, 5)
+    for model, opt in zip((plain, flat), opts):
+        for step in range(3):
+            opt.zero_grad()
+            if step == 1 and when == "before the forward":
+                model[2].weight.data = new.clone()
+            model(x).pow(2).sum().backward()
+            if step == 1 and when != "before the forward":
+                model[2].weight.data = new.clone()
+                if when == "without a forward":
+                    opt.step()  # with the gradient of the old values, as for the plain model
+            opt.step()
+    assert_same_values(values(flat), values(plain), rtol=1e-6, atol=1e-6)
+
+
+def test_registration_adds_no_process_wide_optimizer_hook():
+    """Landing writes before a step needs no global optimizer hook: registering adds none."""
+    from torch.optim import optimizer as optim_module
+
+    before = (dict(optim_module._global_optimizer_pre_hooks), dict(optim_module._global_optimizer_post_hooks))
+    register_flat_storage(mlp())
+    after = (dict(optim_module._global_optimizer_pre_hooks), dict(optim_module._global_optimizer_post_hooks))
+    assert after == before
+
+
+def test_a_cached_read_reads_nothing_of_the_flat_parameter_but_its_identity(monkeypatch):
+    """No `data_ptr()` per read: replacing the flat parameter's `.data` drops the views instead."""
+    plain, flat, storage = _pair()
+    x = torch.randn(2, 5)
+    calls = []
+    monkeypatch.setattr(
+        FlatParameter, "data_ptr", lambda self: calls.append(1) or torch.Tensor.data_ptr(self)
+    )
+    with torch.no_grad():
+        flat(x)
+        flat(x)
+        calls.clear()
+        for _ in range(3):
+            flat(x)
+    assert calls == []
+    new = torch.randn(90)
+    storage["0"].data = new.clone()
+    vector_to_parameters(new.clone(), plain.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
+    assert_agree(plain, flat)

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.jit import _trace as _jit_trace
 
 from .names import MODULE_STATE_ATTR
-from .view_cache import same_memory
+from .view_cache import _CURRENT, same_memory
 from .writes import served_parameter
 
 __all__ = ["make_property"]
 
 _MISSING = object()
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_is_grad_enabled = torch.is_grad_enabled
 
 
 def _assignment_error(module: nn.Module, name: str) -> RuntimeError:
@@ -45,6 +49,22 @@ def make_property(name: str) -> property:
         if param is not _MISSING:  # unflattened mode, or a parameter put there around the view
             return served_parameter(module, state, name, param)
         group, index = state.slots[name]
+        # The cache hit of GroupViews.view, inlined (one Python call less per read); every
+        # other case (tracers, a first read, another grad mode, stale views) goes there.
+        if _jit_trace._trace_module_map is None and not _is_dynamo_compiling():
+            flat = group.params[group.flat_name]
+            entry = group._tls.__dict__.get(_CURRENT)
+            if entry is not None and entry.flat is flat and not entry.watch_ptr:
+                view = entry.views[index]
+                if entry.grad:
+                    if (
+                        _is_grad_enabled()
+                        and entry.requires_grad is flat.requires_grad
+                        and view.grad_fn is entry.node
+                    ):
+                        return view
+                elif view is not None and not _is_grad_enabled():
+                    return view
         return group.view(index)
 
     def fset(module: nn.Module, value: Any) -> None:

@@ -26,8 +26,8 @@ checks their imports). The seams, all of them:
   - ``refresh()``, "sync point": at the end of ``core.sync_writes()`` in flat
     mode, i.e. before each eager forward of the registered module (its
     forward pre-hook), ``named_views``/``named_grads``/``flat_params``, state
-    dicts, mode toggles, deep copy, pickling, removal and before every
-    optimizer step. The place for cheap checks of what nothing notifies.
+    dicts, mode toggles, deep copy, pickling and removal. The place for
+    cheap checks of what nothing notifies.
   - ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
     parameters in RAM by then).
   - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the

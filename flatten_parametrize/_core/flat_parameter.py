@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["FlatParameter"]
+__all__ = ["FlatParameter", "serve"]
+
+#: torch's own descriptors of ``Tensor.data`` and ``Tensor.grad``, which the properties below extend.
+_BASE_DATA: Any = vars(torch._C.TensorBase)["data"]
+_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
+_is_compiling = torch.compiler.is_compiling
+#: Attribute (in the flat parameter's ``__dict__``) holding a weak reference to the views it serves.
+_SERVED_BY = "_flat_served_by"
+
+
+class _Served(Protocol):
+    """What a flat parameter tells the view cache of the group it serves (``_view_cache.GroupViews``)."""
+
+    def sync(self) -> None:
+        """Land the values assigned to views' ``.data`` in the flat buffer."""
+
+    def on_data_replaced(self) -> None:
+        """Drop the cached views: the flat buffer is about to be replaced."""
+
+
+def serve(flat: torch.Tensor, views: _Served) -> None:
+    """Record that ``flat`` (a ``FlatParameter``) is the flat parameter whose views ``views`` serves."""
+    flat.__dict__[_SERVED_BY] = weakref.ref(views)
+
+
+def _served(flat: torch.Tensor) -> _Served | None:
+    ref = flat.__dict__.get(_SERVED_BY)
+    return None if ref is None else ref()
 
 
 class FlatParameter(nn.Parameter):
@@ -18,6 +46,12 @@ class FlatParameter(nn.Parameter):
     and registered on the module as ``flat_param_<group>``. It carries the
     layout of its group, so it keeps meaning after ``torch.save`` /
     ``pickle`` and ``copy.deepcopy``.
+
+    Its ``.data`` and ``.grad`` behave as torch's, with two additions for the
+    group it serves: assigning ``.data`` (``module.to()``, ``vector_to_parameters``,
+    disk offload) drops the group's cached views, and reading ``.grad`` (as every
+    optimizer step and ``zero_grad`` do) first copies the values assigned to
+    views' ``.data`` (``layer.weight.data = t``) into the buffer.
 
     Args:
         data: the one-dimensional buffer.
@@ -99,6 +133,38 @@ class FlatParameter(nn.Parameter):
         if end > self.numel():
             raise ValueError(f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}")
         self._names, self._shapes, self._numels, self._offsets = names, sizes, numels, offsets
+
+    # ``.data`` and ``.grad`` are torch's, with one addition each for the group's view cache:
+    # replacing ``.data`` drops the cached views (so a read never compares ``data_ptr()``), and
+    # reading ``.grad`` first lands the values assigned to views' ``.data`` (an optimizer step
+    # reads ``.grad`` of every parameter before it changes any: it steps the landed values).
+    @property
+    def data(self) -> torch.Tensor:
+        """The parameter's values, detached (as ``torch.Tensor.data``); assigning replaces the buffer."""
+        return _BASE_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        views = _served(self)
+        if views is not None:
+            views.on_data_replaced()
+        _BASE_DATA.__set__(self, value)
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The flat gradient (as ``torch.Tensor.grad``), read after landing the views' ``.data`` writes."""
+        views = _served(self)
+        if views is not None and not _is_compiling():
+            views.sync()
+        return _BASE_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _BASE_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _BASE_GRAD.__delete__(self)
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
         """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.

@@ -28,12 +28,19 @@ def flat_layout_name(group: str) -> str:
     return FLAT_LAYOUT_PREFIX + group
 
 
-#: The library's state of modules that unflattened mode made plain (original class, no state in ``__dict__``).
+#: The library's state of modules that unflattened mode made plain (original class, no state in
+#: ``__dict__``). Only ``register_flat_storage`` reads it (:func:`library_state`), to refuse a new
+#: storage over parameters that an unflattened storage still owns: a submodule cannot tell which
+#: storage of an enclosing module owns it otherwise. A storage finds the state of its own members
+#: in its own records (``FlatStorage.state_of``); nothing on a hot path consults this registry.
 UNFLATTENED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
 def library_state(module: nn.Module) -> Any:
-    """Return the library's state of ``module`` (a ``ModuleState``) in either mode, or ``None``."""
+    """Return the library's state of ``module`` (a ``ModuleState``) in either mode, or ``None``.
+
+    For the registration check; a storage asks ``FlatStorage.state_of`` instead.
+    """
     state = module.__dict__.get(MODULE_STATE_ATTR)
     return state if state is not None else UNFLATTENED.get(module)
 

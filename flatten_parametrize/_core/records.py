@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .flat_parameter import FlatParameter
+from .flat_parameter import FlatParameter, serve
 from .layout import GroupLayout
 from .view_cache import GroupViews
 
@@ -95,6 +95,9 @@ class Group:
     views: GroupViews
     flat: FlatParameter
     members: tuple[Slot, ...]
+
+    def __post_init__(self) -> None:
+        serve(self.flat, self.views)  # its `.data` setter and `.grad` getter reach the view cache
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""
@@ -187,7 +190,7 @@ class Coordinator(Protocol):
     def flat_state_dict(self) -> Any:
         """The module's state dict in flat form."""
 
-    def sync_writes(self) -> None:
+    def sync_writes(self, *, forward: bool = False) -> None:
         """Land (or refuse) the writes made around the views since the last call."""
 
     def adopt_replacements(self, replaced: list[tuple[Group, Any]]) -> None:

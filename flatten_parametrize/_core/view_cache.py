@@ -1,7 +1,7 @@
 """The hot path: serving ``module.weight`` as a view of the group's flat tensor.
 
 One :class:`GroupViews` per group makes every view of a group *at once* per
-pass (per thread, per grad mode) and hands them out from a cache, so that
+pass (per thread, with grad mode on or off) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
 (``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
@@ -11,10 +11,17 @@ buffer and shares its version counter, so views stay valid across in-place
 updates (optimizer steps) while autograd still refuses a backward whose saved
 weights were changed in place. The cache is rebuilt whenever the flat tensor is
 replaced or re-backed (``.data`` swap, ``module.to()``), and in grad mode when
-it is frozen or unfrozen. Each grad and inference mode and each thread has
-views of its own. Under ``torch.compile`` the cache is skipped (compiled code
-sees plain tensor ops) and the registered module's forward splits each group
-once (:func:`trace_split`).
+it is frozen or unfrozen. Each thread has views of its own, one set with grad
+and one without (``no_grad`` and ``inference_mode`` share it). Under
+``torch.compile`` the cache is skipped (compiled code sees plain tensor ops) and
+the registered module's forward splits each group once (:func:`trace_split`).
+
+A cache hit reads the flat tensor from the module, compares it with the
+thread's current entry and the grad mode with the entry's, and hands out the
+view: no ``data_ptr()`` (a ``FlatParameter`` drops the cache when its ``.data``
+is replaced), no scan. Writes to a view's ``.data`` are looked for only where a
+read switches entries, when the flat parameter's ``.grad`` is read, and in the
+library's own operations (see ``_writes.py``).
 """
 
 from __future__ import annotations
@@ -22,20 +29,20 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from enum import IntEnum
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
+from .flat_parameter import FlatParameter
 from .grad import GradBuffer, _GroupSplit
 from .layout import GroupLayout
 from .names import registered_storage
 
 __all__ = [
+    "WRITE_SCANS",
     "CacheEntry",
-    "GradMode",
     "GroupViews",
     "end_trace_split",
     "same_memory",
@@ -48,21 +55,17 @@ _is_compiling = torch.compiler.is_compiling
 # ``data_ptr()``: those are never cached either (see ``GroupViews._uncached``).
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
-_is_inference = torch.is_inference_mode_enabled
 _is_tracing = torch._C._is_tracing
 _data_ptr = Tensor.data_ptr
+#: Key of a thread's current entry in its cache dict; the entries themselves are keyed by grad
+#: mode (``True`` / ``False``).
+_CURRENT = "current"
 
-
-class GradMode(IntEnum):
-    """The autograd mode a view was made under: views of one mode never serve another."""
-
-    NO_GRAD = 0
-    GRAD = 1
-    INFERENCE = 2
-
-
-# Plain ints for the hot path (an enum member costs an attribute lookup per access).
-_NO_GRAD, _GRAD, _INFERENCE = int(GradMode.NO_GRAD), int(GradMode.GRAD), int(GradMode.INFERENCE)
+#: The work spent looking for writes made around the views (for tests and benchmarks):
+#: ``"parameters"`` counts the ``_parameters`` dicts of changed modules visited,
+#: ``"views"`` the cached views whose ``data_ptr()`` was compared. A forward in which nothing
+#: was written adds nothing to either.
+WRITE_SCANS = {"parameters": 0, "views": 0}
 
 
 def same_memory(a: Tensor, b: Tensor) -> bool:
@@ -80,51 +83,91 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
 
 
 class CacheEntry:
-    """The views of one group made for one thread and one :class:`GradMode`.
+    """The views of one group made for one thread, with grad mode on (``grad``) or off.
 
-    Valid while the flat tensor is the same object with the same
-    ``data_ptr()`` and, in grad mode, the same ``requires_grad`` and while the
-    view served still has the node's history (an in-place change of a view
-    under grad mode adds to it). In-place updates of the buffer do not
-    invalidate it: every view aliases the buffer and shares its version
-    counter (see ``_GroupSplit``). Each view's ``data_ptr()`` is kept too: a
-    view whose ``.data`` was assigned points elsewhere, and the group lands the
-    assigned values in the flat tensor (:meth:`GroupViews.sync`, run by the
-    registered module's forward, state dicts, optimizer steps, toggles, and
-    before the entry is rebuilt), which retires the entry. The hot path does not
-    check it: until then, that view itself serves the assigned tensor.
+    ``no_grad`` and ``inference_mode`` share one entry: its views come from one
+    ``split`` of a detached alias of a normal tensor, which both modes may use
+    (and write in place). Under grad mode the views are the outputs of one
+    autograd node (made all at once), or plain views for a frozen buffer.
+
+    Valid while the flat tensor is the same object and, in grad mode, has the
+    same ``requires_grad`` and the view served still has the node's history (an
+    in-place change of a view under grad mode adds to it). A ``FlatParameter``
+    drops the cache itself when its ``.data`` is replaced; for any other flat
+    tensor (FSDP2's unsharded parameter, whose memory is freed and allocated
+    again; substitutes of ``using()``), ``data_ptr()`` is compared at each read
+    (``watch_ptr``). In-place updates of the buffer do not invalidate it: every
+    view aliases the buffer and shares its version counter (see ``_GroupSplit``).
+
+    Each view made is kept in ``made`` with its ``data_ptr()`` then (``ptrs``): a
+    view whose ``.data`` was assigned points elsewhere, and a write scan
+    (:meth:`GroupViews.sync`) lands the assigned values in the flat tensor and
+    retires the entry. Until then that view itself serves the assigned tensor.
 
     Attributes:
         flat: the flat tensor the views were made of (``None`` once retired).
         ptr: its ``data_ptr()`` then.
-        chunks: the segments of one ``split`` (``None`` in grad mode: the views
-            are the outputs of one autograd node).
+        grad: the grad mode the views were made for.
+        watch_ptr: whether reads compare ``flat.data_ptr()`` with ``ptr``.
+        chunks: the segments of one ``split`` (``None`` in grad mode for a
+            buffer that requires grad: the views are the outputs of one node).
         views: one view per slot; without grad made on first use (``None``
             until then).
-        ptrs: the ``data_ptr()`` of each view when it was made.
-        requires_grad: its ``requires_grad`` then.
+        made: the slot index of every view made so far, in the order made.
+        ptrs: the ``data_ptr()`` of each of those views when it was made.
+        requires_grad: ``flat.requires_grad`` then.
         node: the ``grad_fn`` of the views (``None`` without grad or for a
             frozen buffer).
     """
 
-    __slots__ = ("__weakref__", "chunks", "flat", "node", "ptr", "ptrs", "requires_grad", "views")
+    __slots__ = (
+        "__weakref__",
+        "chunks",
+        "flat",
+        "grad",
+        "made",
+        "made_views",
+        "node",
+        "ptr",
+        "ptrs",
+        "requires_grad",
+        "views",
+        "watch_ptr",
+    )
 
     def __init__(
         self,
         flat: Tensor,
         ptr: int,
+        grad: bool,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
-        ptrs: list[int],
     ) -> None:
         self.flat: Tensor | None = flat
         self.ptr = ptr
+        self.grad = grad
+        self.watch_ptr = type(flat) is not FlatParameter
         self.chunks = chunks
         self.views = views
-        self.ptrs = ptrs
+        self.made: list[int] = [i for i, v in enumerate(views) if v is not None]
+        self.made_views: list[Tensor] = [v for v in views if v is not None]
+        self.ptrs: list[int] = [v.data_ptr() for v in self.made_views]
         self.requires_grad = flat.requires_grad
         first = views[0] if views else None
         self.node = None if first is None else first.grad_fn
+
+    def make(self, index: int, segment: int, shape: tuple[int, ...]) -> Tensor:
+        """Make the view of slot ``index`` (no-grad entries make their views on first use)."""
+        view = self.views[index] = self.chunks[segment].view(shape)  # type: ignore[index]
+        self.made.append(index)
+        self.made_views.append(view)
+        self.ptrs.append(view.data_ptr())
+        return view
+
+    def written(self) -> bool:
+        """Return whether a view made from this entry points elsewhere now (its ``.data`` was assigned)."""
+        WRITE_SCANS["views"] += len(self.made_views)
+        return list(map(_data_ptr, self.made_views)) != self.ptrs
 
 
 class GroupViews:
@@ -154,6 +197,7 @@ class GroupViews:
     """
 
     __slots__ = (
+        "__weakref__",
         "_entries",
         "_grad_buffer",
         "_segments",
@@ -161,6 +205,7 @@ class GroupViews:
         "_split",
         "_tls",
         "_traced",
+        "check_next_forward",
         "flat_name",
         "layout",
         "names",
@@ -184,6 +229,9 @@ class GroupViews:
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
         self.source: Callable[[Tensor], Tensor] | None = None
+        #: Set when a read switched entries (see :meth:`_switch`): the next forward of the
+        #: registered module scans the views once (:meth:`land_flagged`).
+        self.check_next_forward = False
 
     @property
     def grad_buffer(self) -> GradBuffer:
@@ -207,7 +255,12 @@ class GroupViews:
         return self.params[self.flat_name]
 
     def view(self, index: int) -> Tensor:
-        """Return slot ``index`` as a view of the current flat tensor."""
+        """Return slot ``index`` as a view of the current flat tensor.
+
+        A cache hit checks that the thread's current entry is for this flat
+        tensor and grad mode (and, in grad mode, ``requires_grad`` and the
+        view's history); nothing else is read, nothing is scanned.
+        """
         flat: Tensor = self.params[self.flat_name]
         if _is_dynamo_compiling():
             return self._uncached(flat, index)
@@ -218,48 +271,61 @@ class GroupViews:
             if traced is None or traced[0] is not flat:
                 raise _submodule_trace_error(self, index)
             return traced[1][self._segments[index]].view(self._shapes[index])
-        cache: dict[int, CacheEntry] = self._tls.__dict__  # type: ignore[assignment]
-        if _is_grad_enabled():
-            mode = _GRAD
-            entry = cache.get(_GRAD)
-            if (
-                entry is None
-                or entry.flat is not flat
-                or entry.requires_grad is not flat.requires_grad
-                # A view changed in place under grad mode carries that change in its
-                # history: serving it again would differentiate through it every pass.
-                or entry.views[index].grad_fn is not entry.node  # type: ignore[union-attr]
-            ):
-                return self._rebuild(flat, mode, cache, index)
-        else:
-            mode = _INFERENCE if _is_inference() else _NO_GRAD
-            entry = cache.get(mode)
-            if entry is None or entry.flat is not flat:
-                return self._rebuild(flat, mode, cache, index)
-        try:
-            moved = entry.ptr != flat.data_ptr()
-        except RuntimeError:  # no storage (vmap): never cached
-            moved = True
-        if moved:
-            return self._rebuild(flat, mode, cache, index)
-        views = entry.views
-        view = views[index]
-        if view is None:
-            view = views[index] = entry.chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
-            entry.ptrs[index] = view.data_ptr()
-        return view
+        entry: CacheEntry | None = self._tls.__dict__.get(_CURRENT)
+        if entry is None or entry.flat is not flat or entry.grad is not _is_grad_enabled():
+            return self._switch(flat, index)
+        view = entry.views[index]
+        if entry.grad:
+            # Frozen or unfrozen since; or a view changed in place under grad mode, which
+            # carries that change in its history: serving it again would differentiate
+            # through it every pass.
+            if entry.requires_grad is not flat.requires_grad or view.grad_fn is not entry.node:  # type: ignore[union-attr]
+                return self._switch(flat, index)
+        elif view is None:
+            view = entry.make(index, self._segments[index], self._shapes[index])
+        if entry.watch_ptr and entry.ptr != _ptr(flat):
+            return self._switch(flat, index)
+        return view  # type: ignore[return-value]
 
-    def _rebuild(self, flat: Tensor, mode: int, cache: dict[int, CacheEntry], index: int) -> Tensor:
+    def _switch(self, flat: Tensor, index: int) -> Tensor:
+        """Serve slot ``index`` from the entry for the current grad mode, made anew if needed.
+
+        Reached when the thread's last read used another entry (another grad
+        mode, another flat tensor, a first read) or that entry is stale. Views
+        that were assigned through ``.data`` must land before another entry
+        serves the slot, so every entry is scanned here; and the registered
+        module's next forward scans once more (``check_next_forward``), since
+        the views served from here on may be assigned to before it.
+        """
         try:
             ptr = flat.data_ptr()
         except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
             return self._uncached(flat, index)
-        old = cache.get(mode)
-        if old is not None and old.flat is not None:
-            cache.pop(mode)
+        self.sync()
+        self.check_next_forward = True
+        cache: dict[Any, CacheEntry] = self._tls.__dict__
+        grad = _is_grad_enabled()
+        entry = cache.get(grad)
+        if entry is None or not self._valid(entry, flat, ptr, index):
+            entry = self._rebuild(flat, grad, ptr, cache)
+        cache[_CURRENT] = entry
+        view = entry.views[index]
+        if view is None:
+            view = entry.make(index, self._segments[index], self._shapes[index])
+        return view
+
+    def _valid(self, entry: CacheEntry, flat: Tensor, ptr: int, index: int) -> bool:
+        if entry.flat is not flat or (entry.watch_ptr and entry.ptr != ptr):
+            return False
+        if entry.grad:
+            view = entry.views[index]
+            return entry.requires_grad is flat.requires_grad and view.grad_fn is entry.node  # type: ignore[union-attr]
+        return True
+
+    def _rebuild(self, flat: Tensor, grad: bool, ptr: int, cache: dict[Any, CacheEntry]) -> CacheEntry:
+        old = cache.pop(grad, None)
+        if old is not None:
             self._entries.discard(old)
-            if any(v is not None and v.data_ptr() != p for v, p in zip(old.views, old.ptrs)):
-                self._land(old)  # `.data` written before the flat tensor changed: it still lands
         if flat.dim() != 1 or flat.shape[0] != self.layout.numel:
             raise RuntimeError(
                 f"{self.flat_name} has shape {tuple(flat.shape)} but its layout needs a "
@@ -268,7 +334,7 @@ class GroupViews:
             )
         served = None if self.source is None else _source(self, flat)
         views: list[Tensor | None]
-        if mode == _GRAD and flat.requires_grad:
+        if grad and flat.requires_grad:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
@@ -278,18 +344,13 @@ class GroupViews:
             # usable after in-place updates of the buffer (a view of the parameter
             # itself made under no_grad refuses ``grad_fn`` once the buffer changed).
             chunks = (flat if served is None else served).detach().split(self._split)
-            if mode == _GRAD:  # frozen: every view now, as above (their grad_fn is None)
+            if grad:  # frozen: every view now, as above (their grad_fn is None)
                 views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
             else:
                 views = [None] * len(self._shapes)
-        ptrs = [0 if v is None else v.data_ptr() for v in views]
-        entry = cache[mode] = CacheEntry(flat, ptr, chunks, views, ptrs)
+        entry = cache[grad] = CacheEntry(flat, ptr, grad, chunks, views)
         self._entries.add(entry)
-        view = views[index]
-        if view is None:
-            view = views[index] = chunks[self._segments[index]].view(self._shapes[index])  # type: ignore[index]
-            ptrs[index] = view.data_ptr()
-        return view
+        return entry
 
     def _uncached(self, flat: Tensor, index: int) -> Tensor:
         """Return slot ``index`` with plain tensor ops: no cache, no version guard (for tracers).
@@ -309,12 +370,26 @@ class GroupViews:
                 or device than its slot (the flat tensor is then unchanged).
         """
         for entry in list(self._entries):
-            try:
-                moved = list(map(_data_ptr, entry.views)) != entry.ptrs  # type: ignore[arg-type]
-            except TypeError:  # views not made yet (None): check the made ones
-                moved = any(v is not None and v.data_ptr() != p for v, p in zip(entry.views, entry.ptrs))
-            if moved:
+            if entry.written():
                 self._land(entry)
+
+    def land_flagged(self) -> None:
+        """Scan the views once if a read switched entries since the last forward (see :meth:`_switch`).
+
+        Raises:
+            RuntimeError: as :meth:`sync`.
+        """
+        if self.check_next_forward:
+            self.check_next_forward = False
+            self.sync()
+
+    def on_data_replaced(self) -> None:
+        """Called by a ``FlatParameter`` this group serves before its ``.data`` is replaced: drop the views.
+
+        Pending ``.data`` writes of views land in the old buffer first (a later
+        write of the whole buffer wins, as on a plain model).
+        """
+        self.invalidate()
 
     def _land(self, entry: CacheEntry) -> None:
         """Copy the values assigned through ``.data`` to views of ``entry`` into its flat tensor.
@@ -326,8 +401,8 @@ class GroupViews:
         self._entries.discard(entry)
         storage = flat.untyped_storage()._cdata
         writes = []
-        for index, (view, ptr) in enumerate(zip(entry.views, entry.ptrs)):
-            if view is None or view.data_ptr() == ptr:
+        for index, view, ptr in zip(entry.made, entry.made_views, entry.ptrs):
+            if view.data_ptr() == ptr:
                 continue
             if view.untyped_storage()._cdata == storage:
                 continue  # the buffer itself moved or was freed (FSDP2 frees unsharded ones)
@@ -378,6 +453,7 @@ class GroupViews:
         new._traced = None
         new._grad_buffer = GradBuffer()
         new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
+        new.check_next_forward = False
         return new
 
     def __getstate__(self) -> None:
@@ -397,6 +473,13 @@ def _source(group: GroupViews, flat: Tensor) -> Tensor:
             f"{served.device}; the views need one of shape {tuple(flat.shape)} on {flat.device}"
         )
     return served
+
+
+def _ptr(tensor: Tensor) -> int:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:  # no storage
+        return -1
 
 
 def _tracing_a_module(module: nn.Module | None = None) -> bool:
@@ -428,15 +511,17 @@ def trace_split(module: nn.Module, args: Any) -> None:
     Every view that the traced forward reads then comes from that one split of
     the flat parameter (read from the module, so the graph reads it rather than
     baking constants), and the compiled backward builds each flat gradient with
-    one ``cat``. In eager mode it lands pending writes (``weight.data = t``,
-    a replaced flat parameter) instead; the per-thread cache serves the views.
+    one ``cat``. In eager mode it runs the forward's cheap write check instead
+    (``sync_writes(forward=True)``: an identity check per group for a replaced
+    flat parameter, and a scan of the views only where a read switched cache
+    entries since the last forward); the per-thread cache serves the views.
     """
     storage = registered_storage(module)
     if _is_compiling() or _tracing_a_module(module):
         for group in storage.groups():
             group.views.trace(True)
     else:
-        storage.sync_writes()
+        storage.sync_writes(forward=True)
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:

@@ -6,42 +6,41 @@ and ``register_parameter`` / ``setattr`` with an ``nn.Parameter`` (put a tensor 
 to the view), ``model.flat_param_0 = p`` or ``model._parameters["flat_param_0"] = p``
 (replace a flat parameter). In flat mode each of them either lands (the values
 are copied into the slot, or the new flat parameter is adopted by the
-coordinator) or raises a ``RuntimeError`` that leaves the model as it was. Writes
-that torch makes directly in a dict are found at the next access of the
-attribute, forward of the registered module, state dict, toggle or removal
-(``FlatStorage.sync_writes``).
+coordinator) or raises a ``RuntimeError`` that leaves the model as it was.
+
+Nothing is scanned per forward when nothing was written. Where each write lands:
+
+* ``register_parameter`` / ``setattr`` with a parameter: at once (the injected
+  ``register_parameter``).
+* ``_parameters[name] = p``: at the next read of that attribute (the property
+  looks in ``_parameters`` anyway), or at the next full scan.
+* ``_parameters["flat_param_0"] = p``: at the registered module's next forward
+  (an identity check per group) or full scan.
+* ``view.data = t``: the view itself serves ``t`` at once; the values land in
+  the flat buffer at the next read of the flat parameter's ``.grad`` (every
+  optimizer step and ``zero_grad`` reads it; ``FlatParameter.grad``), the next
+  read that switches cache entries (another grad mode or thread, rebuilt views)
+  and the registered module's forward after such a read, or the next full scan.
+
+A full scan (``FlatStorage.sync_writes()``: every changed module's
+``_parameters`` and every cached view) runs before the library's own operations:
+state dicts, ``storage[...]`` / ``flat_params`` / ``named_views`` /
+``named_grads``, toggles, ``.to()`` & co., loading, copying, pickling and removal.
+``_view_cache.WRITE_SCANS`` counts the work of all of them.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .records import Coordinator, Group, ModuleState
+from .records import Group, ModuleState
+from .view_cache import WRITE_SCANS
 
-__all__ = ["check_flat_replacement", "land_parameter", "land_direct_writes", "served_parameter", "watch"]
-
-#: Every registered storage, so that an optimizer step lands pending writes first.
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-_hook: Any = None
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for storage in list(_LIVE):
-        storage.sync_writes()
-
-
-def watch(storage: Coordinator) -> None:
-    """Have every optimizer step land ``storage``'s pending writes first (a global step pre-hook)."""
-    global _hook
-    _LIVE.add(storage)
-    if _hook is None:
-        _hook = register_optimizer_step_pre_hook(_before_step)
+__all__ = ["check_flat_replacement", "land_direct_writes", "land_parameter", "served_parameter"]
 
 
 def _qualified(state: ModuleState, attr: str) -> str:
@@ -112,6 +111,7 @@ def land_direct_writes(owners: Iterable[tuple[nn.Module, ModuleState]]) -> None:
         RuntimeError: as :func:`land_parameter`; the refused entry is removed.
     """
     for module, state in owners:
+        WRITE_SCANS["parameters"] += 1
         params = module._parameters
         if params.keys().isdisjoint(state.slots):
             continue

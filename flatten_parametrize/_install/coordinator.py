@@ -29,7 +29,6 @@ from .._core.names import (
     MODULE_STATE_ATTR,
     flat_layout_name,
     flat_param_name,
-    library_state,
     registered_storage,
 )
 from .._core.per_group import per_group
@@ -97,6 +96,8 @@ class StorageCore:
         self.pending: list[StagedValue] | None = None
         #: The modules this storage changed, with their state (recorded at registration).
         self._owners: list[tuple[weakref.ref[nn.Module], ModuleState]] | None = None
+        #: ``_owners`` by module id, for ``state_of``.
+        self._owner_ids: dict[int, tuple[weakref.ref[nn.Module], ModuleState]] | None = None
         #: The features composed on this core, in the order the lifecycle notifies them.
         self.features: list[Feature] = []
         #: The public ``FlatStorage`` handed out for this core (made by the public layer).
@@ -193,15 +194,24 @@ class StorageCore:
                 if isinstance(state := module.__dict__.get(MODULE_STATE_ATTR), ModuleState)
                 and state.storage is self
             ]
+            self._owner_ids = {id(ref()): (ref, state) for ref, state in self._owners}
         return [(module, state) for ref, state in self._owners if (module := ref()) is not None]
 
     def adopt_members(self, owners: list[tuple[nn.Module, ModuleState]]) -> None:
         """Take ``owners`` as the modules this storage changed (a deep copy's)."""
         self._owners = [(weakref.ref(module), state) for module, state in owners]
+        self._owner_ids = {id(ref()): (ref, state) for ref, state in self._owners}
 
     def state_of(self, module: nn.Module) -> ModuleState | None:
-        """Return the library's state of ``module`` if this storage changed it, in either mode."""
-        state = library_state(module)
+        """Return the library's state of ``module`` if this storage changed it, in either mode.
+
+        In unflattened mode the modules other than the registered one keep no state in
+        their ``__dict__``: it is found among the members this storage recorded.
+        """
+        state = module.__dict__.get(MODULE_STATE_ATTR)
+        if state is None and self._owner_ids is not None:
+            found = self._owner_ids.get(id(module))
+            state = found[1] if found is not None and found[0]() is module else None
         return state if isinstance(state, ModuleState) and state.storage is self else None
 
     def live_names(self) -> set[str]:
@@ -387,7 +397,7 @@ class StorageCore:
         surgery.invalidate(self._groups)
 
     # ------------------------------------------------------------ write paths
-    def sync_writes(self) -> None:
+    def sync_writes(self, *, forward: bool = False) -> None:
         """Land the writes made around the views since the last call, or refuse them; refresh the features.
 
         A replaced flat parameter (``module.flat_param_0 = p``,
@@ -395,7 +405,14 @@ class StorageCore:
         into a flattened module's ``_parameters`` and tensors assigned to a
         view's ``.data`` are copied into their slots (see ``_core/writes.py``).
         Then every feature's ``refresh()`` runs (see ``_core/features.py``).
-        Does nothing in unflattened mode.
+        State dicts, toggles, loading, copying and removal call it. Does
+        nothing in unflattened mode.
+
+        Args:
+            forward: the registered module's forward (its pre-hook): only an
+                identity check per group, and a scan of the views of a group
+                whose cache switched entries since the last forward. Parameters
+                put into ``_parameters`` land when their attribute is read.
 
         Raises:
             RuntimeError: for a write that cannot land (it is undone).
@@ -410,11 +427,11 @@ class StorageCore:
             replaced: list[tuple[Group, Any]] = []
             for group in self._groups:
                 current = params.get(group.flat_name)
+                if current is group.flat:
+                    continue
                 # A plain tensor there is functional_call's substitute; a tensor subclass is
                 # another engine's (FSDP2 registers DTensor parameters): both are left alone.
-                adoptable = (nn.Parameter, FlatParameter)
-                substitute = isinstance(current, Tensor) and type(current) not in adoptable
-                if current is group.flat or substitute:
+                if isinstance(current, Tensor) and type(current) not in (nn.Parameter, FlatParameter):
                     continue
                 try:
                     check_flat_replacement(group, current)
@@ -424,9 +441,13 @@ class StorageCore:
                 replaced.append((group, current))
             if replaced:
                 self.adopt_replacements(replaced)
-        land_direct_writes(self.members())
-        for group in self._groups:
-            group.views.sync()
+        if forward:
+            for group in self._groups:
+                group.views.land_flagged()
+        else:
+            land_direct_writes(self.members())
+            for group in self._groups:
+                group.views.sync()
         for feature in list(self.features):
             feature.refresh()
 

@@ -10,7 +10,6 @@ pickling registers again through :func:`install_storage` (``pickling.py``).
 from __future__ import annotations
 
 from .._core.transaction import Transaction, atomically
-from .._core.writes import watch
 from . import surgery
 from .coordinator import StorageCore
 
@@ -21,7 +20,6 @@ def install_storage(core: StorageCore) -> None:
     """Make ``core`` take over its module (classes, parametrizations, flat parameters), atomically."""
     atomically(lambda tx: surgery.install(core, tx))
     core.members()  # recorded now: unflattened mode takes the state out of the modules
-    watch(core)
 
 
 def remove_storage(core: StorageCore) -> None:

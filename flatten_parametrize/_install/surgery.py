@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._core.flat_parameter import FlatParameter, as_flat_parameter
+from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
 from .._core.layout import GroupLayout
 from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from .._core.parametrize_interop import HiddenParametrizations, register_view
@@ -122,6 +122,8 @@ def refresh_originals(groups: Sequence[Group], slots: Sequence[Slot], tx: Transa
             tx.set_attr(slot.param, "data", target)
         else:  # e.g. meta -> cpu after to_empty(): .data cannot change the tensor type
             tx.swap_tensors(slot.param, nn.Parameter(target, requires_grad=slot.param.requires_grad))
+    for group in groups:
+        serve(group.flat, group.views)  # again: `swap_tensors` moves a tensor's `__dict__`
     invalidate(groups)
 
 
