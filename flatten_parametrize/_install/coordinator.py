@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .._core.features import Feature
 from .._core.flat_parameter import FlatParameter
+from .._core.foreign import is_foreign
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -430,7 +431,11 @@ class StorageCore:
             raise
 
     def adopt_flat_params(self) -> None:
-        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
+        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed.
+
+        Another engine's tensor in a flat parameter's place (FSDP2's DTensor) is
+        left to that engine; only the padding of its local shard is zeroed.
+        """
         root = self.module
         for group in self._groups:
             flat = surgery.rewrap_flat_param(root, group)
@@ -438,6 +443,9 @@ class StorageCore:
                 self._set_group(dataclasses.replace(group, flat=flat))
         for group in self._groups:
             surgery.zero_padding(group.flat, group.layout)  # e.g. to_empty() leaves garbage there
+            registered = root._parameters.get(group.flat_name)
+            if registered is not None and registered is not group.flat and is_foreign(registered):
+                surgery.zero_padding(registered, group.layout)  # FSDP2's DTensor: its local shard
         self.flat_buffers_replaced()  # a converted or moved buffer left its offload file, say
 
     def _set_group(self, group: Group) -> None:

@@ -9,7 +9,10 @@ unflattened form (after checking its layout record); then each module runs
 torch's own ``_load_from_state_dict`` with a *staging* parameter in place of
 each flattened attribute. Staging parameters record what torch would copy
 instead of copying, so that the registered module's ``load_state_dict`` can
-commit every value after torch has checked everything (atomic loading).
+commit every value after torch has checked everything (atomic loading). Where
+FSDP2 registered its ``DTensor`` in a flat parameter's place, staging
+parameters are stand-ins of the slots' shapes and the commit writes the part of
+each slot that this rank's shard holds (``_core/foreign.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .._core.foreign import is_foreign, local_shard
 from .._core.names import flat_layout_name, registered_storage
 from .._core.records import Coordinator, Group, ModuleState, StagedValue
+from .._core.view_cache import GroupViews
 from .._core.writes import land_direct_writes
 from .alias import own_storage_alias
 
@@ -66,8 +71,15 @@ class StagingSlot(nn.Parameter):
             return func(*args, **(kwargs or {}))
 
 
-def _staging(view: Tensor, requires_grad: bool) -> StagingSlot:
-    slot = torch.Tensor._make_subclass(StagingSlot, view.detach(), requires_grad)
+def _staging(views: GroupViews, index: int, requires_grad: bool) -> StagingSlot:
+    current = views.current()
+    shard = local_shard(current) if is_foreign(current) else None
+    if shard is None:
+        memory = views.view(index).detach()
+    else:  # FSDP2's DTensor: a stand-in of the slot's shape (the values go to the local shard)
+        local = shard[0]
+        memory = torch.empty((), dtype=local.dtype, device=local.device).expand(views.layout.shapes[index])
+    slot = torch.Tensor._make_subclass(StagingSlot, memory, requires_grad)
     slot._source = None
     return slot
 
@@ -188,7 +200,7 @@ def load_module(
     saved = list(params.items())
     hidden = {group.flat_name for group in root.groups()} if root is not None else set()
     staged = {
-        name: _staging(group.view(index), group.current().requires_grad)
+        name: _staging(group, index, group.current().requires_grad)
         for name, (group, index) in state.slots.items()
     }
     try:
@@ -411,12 +423,43 @@ def _commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
     if not loaded:
         return
     with torch.no_grad():
-        splits = {id(group.views): group.value_views() for group in groups}
+        splits: dict[int, list[Tensor]] = {}
         targets, sources = [], []
         for views, index, source in loaded:
+            current = views.current()
+            shard = local_shard(current) if is_foreign(current) else None
+            if shard is not None:  # FSDP2's DTensor: the part of the slot that this rank holds
+                part = _local_part(views, index, source, *shard)
+                if part is not None:
+                    targets.append(part[0])
+                    sources.append(part[1])
+                continue
+            if id(views) not in splits:
+                group = next(group for group in groups if group.views is views)
+                splits[id(views)] = group.value_views()
             target = splits[id(views)][index]
             if source.dtype != target.dtype or source.device != target.device:
                 source = source.to(dtype=target.dtype, device=target.device)
             targets.append(target)
             sources.append(source)
-        torch._foreach_copy_(targets, sources)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+
+def _local_part(
+    views: GroupViews, index: int, source: Tensor, local: Tensor, start: int
+) -> tuple[Tensor, Tensor] | None:
+    """Return (target, source) for the elements of slot ``index`` in a local shard starting at ``start``.
+
+    A ``DTensor`` source is gathered first (``full_tensor()``: a collective that
+    every rank runs, in the same order, whatever part of the slot it holds).
+    """
+    full_tensor = getattr(source, "full_tensor", None)
+    if callable(full_tensor):
+        source = full_tensor()
+    offset = views.layout.offsets[index]
+    lo, hi = max(offset, start), min(offset + views.layout.numels[index], start + local.numel())
+    if lo >= hi:
+        return None
+    values = source.reshape(-1)[lo - offset : hi - offset].to(dtype=local.dtype, device=local.device)
+    return local.detach()[lo - start : hi - start], values
