@@ -1,5 +1,7 @@
 """Engines composed around a flattened model, each against the plain twin under the same engine.
 
+- record-less flat state dicts (what DeepSpeed's ``zero_to_fp32`` and fairscale's wrapper write):
+  they load when size and dtype match, with one warning; a mismatch is refused (``test_errors.py``);
 - FSDP2 applied after registration, then ``.to()`` / ``.double()`` / ``to_empty()``, and its state
   dicts loaded across forms (2 gloo ranks).
 """
@@ -7,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +17,106 @@ import pytest
 import torch
 from torch import nn
 
-from flatten_parametrize import get_flat_storage, register_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage, weight_decay_groups
 
-from _helpers import mlp, save_result, spawn_gloo
+from _helpers import assert_unchanged, mlp, save_result, snapshot, spawn_gloo, values
+
+
+def _net(seed: int = 0) -> nn.Sequential:
+    """Two layers and a BatchNorm (buffers beside the flat parameter)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _with_stats(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        model(torch.randn(5, 6) * 3)  # running stats of its own
+    return model
+
+
+def _load_recording(model: nn.Module, state_dict: dict[str, Any], **kwargs: Any) -> tuple[Any, list[Any]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = model.load_state_dict(state_dict, **kwargs)
+    return result, [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+# ------------------------------------------------------------------ record-less flat state dicts
+
+
+def _fairscale_style(plain: nn.Module) -> dict[str, torch.Tensor]:
+    """What fairscale's ``FlattenParamsWrapper.flat_state_dict()`` writes: one flat tensor, buffers."""
+    flat = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    return {"flat_param_0": flat, **{k: v.clone() for k, v in plain.named_buffers()}}
+
+
+def _real_fairscale(plain: nn.Module) -> dict[str, torch.Tensor]:
+    fairscale = pytest.importorskip("fairscale.nn.misc")
+    wrapper = fairscale.FlattenParamsWrapper(_with_stats(_net(1)))
+    wrapper.load_state_dict(plain.state_dict())
+    return {k: v.clone() for k, v in wrapper.flat_state_dict().items()}
+
+
+@pytest.mark.parametrize("source", ["fairscale-shaped", "fairscale"])
+def test_fairscale_flat_dict_loads_into_the_flattened_model_with_one_warning(source):
+    """A record-less flat dict whose size and dtype match: the plain model's values, one UserWarning."""
+    plain = _with_stats(_net(1))
+    sd = _fairscale_style(plain) if source == "fairscale-shaped" else _real_fairscale(plain)
+    assert "flat_layout_0" not in sd
+    model = _net(0)
+    register_flat_storage(model)
+    result, caught = _load_recording(model, sd)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "'flat_param_0'" in message and "the layout could not be checked" in message
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_zero_to_fp32_shaped_dict_of_several_groups_warns_once_naming_each():
+    """zero_to_fp32's output for a model in decay/no-decay groups: one warning per load, naming each entry."""
+    source = _with_stats(_net(1))
+    expected = values(source)
+    storage = register_flat_storage(source, weight_decay_groups(source))
+    sd = {k: v.clone() for k, v in storage.flat_state_dict().items() if not k.startswith("flat_layout_")}
+    entries = [k for k in sd if k.startswith("flat_param_")]
+    assert len(entries) >= 2
+    model = _net(0)
+    register_flat_storage(model, weight_decay_groups(model))
+    for _ in range(2):  # each load warns again: every record-less load is worth knowing about
+        _, caught = _load_recording(model, dict(sd))
+        assert len(caught) == 1
+        assert ", ".join(f"'{k}'" for k in entries) in str(caught[0].message)
+    for key, value in expected.items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_record_less_load_keeps_strict_and_atomicity():
+    """strict reports a missing buffer by its name and changes nothing; strict=False loads the rest."""
+    plain = _with_stats(_net(1))
+    sd = _fairscale_style(plain)
+    del sd["1.running_var"]
+    model = _net(0)
+    register_flat_storage(model)
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "1.running_var"'):
+        model.load_state_dict(sd)
+    assert_unchanged(model, snap)
+    result, caught = _load_recording(model, sd, strict=False)
+    assert result.missing_keys == ["1.running_var"] and len(caught) == 1
+    assert torch.equal(model[0].weight, plain[0].weight)
+
+
+def test_a_flat_dict_with_its_record_loads_without_warning():
+    """The library's own flat form keeps its layout check and stays silent."""
+    source = _with_stats(_net(1))
+    sd = register_flat_storage(source).flat_state_dict()
+    model = _net(0)
+    register_flat_storage(model)
+    _, caught = _load_recording(model, sd)
+    assert caught == []
+
 
 # ------------------------------------------------------------------------------- FSDP2 (2 ranks)
 

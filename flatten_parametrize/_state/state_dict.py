@@ -18,6 +18,7 @@ each slot that this rank's shard holds (``_core/foreign.py``).
 from __future__ import annotations
 
 import json
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -285,10 +286,14 @@ def _first_difference(expected: dict[str, Any], found: dict[str, Any]) -> str:
 def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix: str) -> None:
     """Replace the flat entries of ``state_dict`` (in place) by views under the original names.
 
+    A flat entry without its layout record (DeepSpeed's ``zero_to_fp32``,
+    fairscale's wrapper) loads when its size and dtype are the group's, with a
+    ``UserWarning`` (one per load) that the layout could not be checked.
+
     Raises:
-        ValueError: if the dict mixes both forms, a layout record is missing
-            or differs from this storage's layout, or a flat tensor has the
-            wrong size.
+        ValueError: if the dict mixes both forms, a layout record differs
+            from this storage's layout, or a flat tensor has the wrong size (or,
+            without its layout record, the wrong dtype).
         TypeError: if a flat entry is not a tensor.
     """
     groups = storage.groups()
@@ -304,6 +309,7 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
             f"('{original}') for one flat storage; load one form: module.state_dict() "
             "or storage.flat_state_dict()"
         )
+    unchecked: list[str] = []
     for key in ours:
         group = by_key[key]
         gname = group.name
@@ -312,11 +318,9 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
         if not isinstance(flat, Tensor):
             raise TypeError(f"flat state dict entry '{key}' must be a tensor; got {type(flat).__name__}")
         if record_key not in state_dict:
-            raise ValueError(
-                f"flat state dict entry '{key}' comes without its layout record '{record_key}', "
-                "so it cannot be checked against this layout; write flat checkpoints with "
-                "storage.flat_state_dict(), or load the unflattened form"
-            )
+            _check_recordless(key, flat, group)
+            unchecked.append(key)
+            continue
         expected = _layout_dict(group)
         found = _read_record(state_dict[record_key], record_key)
         if found.get("numel") != expected["numel"] or found.get("slots") != expected["slots"]:
@@ -331,15 +335,43 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
                 f"flat state dict entry '{key}' has shape {tuple(flat.shape)}; group "
                 f"'{gname}' needs a one-dimensional tensor of {numel} elements"
             )
+    if unchecked:
+        entries = ", ".join(f"'{key}'" for key in unchecked)
+        warnings.warn(
+            f"flat state dict entr{'ies' if len(unchecked) > 1 else 'y'} {entries} "
+            f"{'come' if len(unchecked) > 1 else 'comes'} without a layout record (as DeepSpeed's "
+            "zero_to_fp32 and fairscale write flat checkpoints): the size and dtype match this "
+            "model, but the layout could not be checked; the values are loaded in this model's "
+            "layout. Save with storage.flat_state_dict() or module.state_dict() to keep the check",
+            UserWarning,
+            stacklevel=2,
+        )
     for key in ours:
         group = by_key[key]
         flat = state_dict.pop(key)
-        state_dict.pop(prefix + flat_layout_name(group.name))
+        state_dict.pop(prefix + flat_layout_name(group.name), None)
         views = group.split(flat)
         for slot in group.members:
             for name in slot.all_names:
                 if name in live:  # a replaced submodule loads its own entries
                     state_dict[prefix + name] = views[slot.index]
+
+
+def _check_recordless(key: str, flat: Tensor, group: Group) -> None:
+    """Refuse a flat entry without layout record unless its size and dtype are the group's.
+
+    Raises:
+        ValueError: naming the entry, what the group needs and what was found.
+    """
+    numel, dtype = group.layout.numel, group.flat.dtype
+    if flat.shape != (numel,) or flat.dtype != dtype:
+        raise ValueError(
+            f"flat state dict entry '{key}' comes without its layout record and does not match "
+            f"group '{group.name}': expected a one-dimensional {dtype} tensor of {numel} elements, "
+            f"found shape {tuple(flat.shape)}, {flat.dtype}; a flat entry without layout record "
+            "loads only into a model whose group has its exact size and dtype (convert it with "
+            f".to({dtype}) if only the dtype differs), or load the unflattened form"
+        )
 
 
 class Snapshot:
