@@ -3,12 +3,18 @@
 - record-less flat state dicts (what DeepSpeed's ``zero_to_fp32`` and fairscale's wrapper write):
   they load when size and dtype match, with one warning; a mismatch is refused (``test_errors.py``);
 - FSDP2 applied after registration, then ``.to()`` / ``.double()`` / ``to_empty()``, and its state
-  dicts loaded across forms (2 gloo ranks).
+  dicts loaded across forms (2 gloo ranks);
+- Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model`` on 2 CPU
+  processes: training, and resuming its distributed checkpoint (``tests/_model_parallel.py``).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,9 @@ from torch import nn
 from flatten_parametrize import get_flat_storage, register_flat_storage, weight_decay_groups
 
 from _helpers import assert_unchanged, mlp, save_result, snapshot, spawn_gloo, values
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
 
 
 def _net(seed: int = 0) -> nn.Sequential:
@@ -223,3 +232,59 @@ def test_fsdp2_state_dicts_load_across_forms(fsdp2, how, src, dst):
         assert list(saved) == list(loaded)
         for key, value in saved.items():
             assert torch.equal(loaded[key], value), key
+
+
+# ------------------------------------------------------------ Lightning ModelParallelStrategy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_parallel(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("lightning")
+    outdir = tmp_path_factory.mktemp("model_parallel")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        str(TESTS / "_model_parallel.py"), str(outdir),
+    ]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    results = [outdir / f"result{rank}.pt" for rank in range(2)]
+    if done.returncode != 0 or not all(p.exists() for p in results):
+        pytest.fail(f"the 2 Lightning processes failed (exit {done.returncode}):\n{done.stderr[-6000:]}")
+    return [torch.load(p, weights_only=False) for p in results]
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_trains_a_flattened_model_like_the_plain_one(model_parallel):
+    """fully_shard in configure_model, then the strategy's .to(device): 6 AdamW steps, the plain weights."""
+    for result in model_parallel:
+        plain, flat = result["plain 6"], result["flat 6"]
+        assert flat["steps"] == plain["steps"] == [(s, s % 2) for s in range(6)]
+        for key, value in plain["weights"].items():
+            torch.testing.assert_close(flat["weights"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["plain", "flat"])
+def test_model_parallel_strategy_resumes_its_distributed_checkpoint(model_parallel, form):
+    """Resumed from the step-4 distributed checkpoint, 2 more steps give the uninterrupted run's weights."""
+    for result in model_parallel:
+        resumed, uninterrupted = result[f"{form} resumed"], result[f"{form} 6"]
+        assert resumed["steps"] == [(4, 0), (5, 1)]
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(resumed["weights"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_single_file_checkpoint_is_refused_by_name(model_parallel):
+    """save_distributed_checkpoint=False: Lightning loads by named_parameters(), refusing the flat model."""
+    for result in model_parallel:
+        assert result["plain full"] is None
+        assert "model.flat_param_0" in result["flat full"]
