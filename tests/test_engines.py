@@ -5,7 +5,9 @@
 - FSDP2 applied after registration, then ``.to()`` / ``.double()`` / ``to_empty()``, and its state
   dicts loaded across forms (2 gloo ranks);
 - Lightning's ``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model`` on 2 CPU
-  processes: training, and resuming its distributed checkpoint (``tests/_model_parallel.py``).
+  processes: training, and resuming its distributed checkpoint (``tests/_model_parallel.py``);
+- DeepSpeed ZeRO-1 and -2 on its CPU accelerator (2 gloo ranks): training, ``save_checkpoint`` /
+  ``load_checkpoint``, and the consolidated weights of ``get_fp32_state_dict_from_zero_checkpoint``.
 """
 
 from __future__ import annotations
@@ -288,3 +290,141 @@ def test_model_parallel_strategy_single_file_checkpoint_is_refused_by_name(model
     for result in model_parallel:
         assert result["plain full"] is None
         assert "model.flat_param_0" in result["flat full"]
+
+
+# ---------------------------------------------------------------------- DeepSpeed (2 CPU ranks)
+
+DS_CONFIGS = [(1, "deepspeed"), (1, "torch"), (2, "deepspeed"), (2, "torch")]
+
+
+def _deepspeed_worker(rank: int, world: int, outdir: Path) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def engine(flat: bool, stage: int, optimizer: str) -> Any:
+        model = _net(0)
+        # Running stats the same on every rank: DeepSpeed saves rank 0's buffers and loads them everywhere.
+        model[1].momentum = 0.0
+        if flat:
+            register_flat_storage(model)
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 0.5,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+        }
+        opt = None
+        if optimizer == "deepspeed":
+            config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}}
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+        wrapped, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), optimizer=opt, config=config
+        )
+        return wrapped
+
+    def train(wrapped: Any, steps: range) -> None:
+        for step in steps:
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(4, 6, generator=generator), torch.randn(4, 3, generator=generator)
+            wrapped.backward(nn.functional.mse_loss(wrapped(x), y))
+            wrapped.step()
+
+    out: dict[str, Any] = {}
+    for stage, optimizer in DS_CONFIGS:
+        for flat in (False, True):
+            name = f"stage {stage}, {optimizer}, {'flat' if flat else 'plain'}"
+            directory = outdir / name.replace(", ", "-").replace(" ", "")
+            wrapped = engine(flat, stage, optimizer)
+            train(wrapped, range(3))
+            wrapped.save_checkpoint(str(directory), tag="step3")
+            run = {"3": values(wrapped.module), "dir": directory}
+            train(wrapped, range(3, 5))
+            run["5"] = values(wrapped.module)
+            resumed = engine(flat, stage, optimizer)
+            resumed.load_checkpoint(str(directory), tag="step3")
+            train(resumed, range(3, 5))
+            run["resumed"] = values(resumed.module)
+            torch.distributed.barrier()
+            if rank == 0:
+                run["fp32"] = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="step3")
+                states = torch.load(directory / "step3" / "mp_rank_00_model_states.pt", weights_only=False)
+                run["module"] = states["module"]
+            out[name] = run
+    for flat in (False, True):  # a checkpoint of the other form, stage 1, DeepSpeed's AdamW
+        other = out[f"stage 1, deepspeed, {'plain' if flat else 'flat'}"]["dir"]
+        wrapped = engine(flat, 1, "deepspeed")
+        try:
+            wrapped.load_checkpoint(str(other), tag="step3")
+            refused = None
+        except RuntimeError as error:
+            refused = str(error)
+        wrapped = engine(flat, 1, "deepspeed")
+        wrapped.load_checkpoint(str(other), tag="step3", load_module_only=True)
+        out[f"cross, flat={flat}"] = {"refused": refused, "module only": values(wrapped.module)}
+    save_result(outdir, rank, "deepspeed", out)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("deepspeed")
+    outdir = tmp_path_factory.mktemp("deepspeed")
+    # The first run on a machine builds DeepSpeed's CPU ops (shared-memory comm, Adam) just in time.
+    spawn_gloo(_deepspeed_worker, outdir, world=2, deadline_s=600, collective_timeout_s=300)
+    return [torch.load(outdir / f"deepspeed.{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "optimizer"), DS_CONFIGS)
+def test_deepspeed_zero_trains_and_resumes_like_the_plain_model(deepspeed_runs, stage, optimizer):
+    """ZeRO-1/2, clipping, DeepSpeed's or torch's AdamW: the plain weights; each form resumes its own."""
+    initial = values(_net(0))
+    for result in deepspeed_runs:
+        plain, flat = (result[f"stage {stage}, {optimizer}, {form}"] for form in ("plain", "flat"))
+        for key, value in plain["5"].items():
+            if key.endswith(("weight", "bias")):
+                assert not torch.allclose(value, initial[key]), key
+            torch.testing.assert_close(flat["5"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+            for run in (plain, flat):
+                torch.testing.assert_close(run["resumed"][key], run["5"][key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "optimizer"), DS_CONFIGS)
+def test_deepspeed_consolidated_weights_load_into_the_flattened_model(deepspeed_runs, stage, optimizer):
+    """get_fp32_state_dict_from_zero_checkpoint of a flattened run: a record-less flat dict that loads
+    (one warning) and gives, through state_dict(), the plain run's consolidated weights; the module
+    entry beside the partitions has the plain keys and loads into a plain model."""
+    plain, flat = (deepspeed_runs[0][f"stage {stage}, {optimizer}, {form}"] for form in ("plain", "flat"))
+    assert "flat_param_0" in flat["fp32"] and "flat_layout_0" not in flat["fp32"]
+    model = _net(5)
+    register_flat_storage(model)
+    _, caught = _load_recording(model, flat["fp32"])
+    assert len(caught) == 1 and "'flat_param_0'" in str(caught[0].message)
+    consolidated = model.state_dict()
+    assert sorted(consolidated) == sorted(plain["fp32"])
+    for key, value in plain["fp32"].items():
+        torch.testing.assert_close(consolidated[key], value, rtol=1e-6, atol=1e-6, msg=key)
+        assert torch.equal(consolidated[key], flat["3"][key]), key  # fp32 training: master = weights
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "flat_param_0"'):
+        _net(5).load_state_dict(flat["fp32"])  # the plain model cannot take the flat entry
+    plain_model = _net(5)
+    plain_model.load_state_dict(flat["module"])
+    for key, value in plain["3"].items():
+        torch.testing.assert_close(plain_model.state_dict()[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flat", [False, True], ids=["flat ckpt -> plain", "plain ckpt -> flat"])
+def test_deepspeed_refuses_to_resume_across_forms_but_loads_the_module_only(deepspeed_runs, flat):
+    """DeepSpeed's parameter-alignment check refuses the other form's partitions; load_module_only works."""
+    for result in deepspeed_runs:
+        cross = result[f"cross, flat={flat}"]
+        assert cross["refused"] is not None and "parameter-alignment" in cross["refused"]
+        other = result[f"stage 1, deepspeed, {'plain' if flat else 'flat'}"]["3"]
+        for key, value in other.items():
+            torch.testing.assert_close(cross["module only"][key], value, rtol=1e-6, atol=1e-6, msg=key)
