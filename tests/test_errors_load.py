@@ -9,6 +9,7 @@ values, same classes, library attributes, hooks and storage.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -236,17 +237,29 @@ def test_load_refuses_a_flat_state_dict_of_another_layout(kind, message):
     assert_unchanged(model, snap)
 
 
-def test_load_refuses_a_flat_entry_without_its_layout_record():
-    """A flat entry must come with its layout record: ValueError naming both keys."""
-    model, _storage, _ = _load_case()
+@pytest.mark.parametrize("kind", ["size", "dtype"])
+def test_load_refuses_a_flat_entry_without_layout_record_that_does_not_match(kind):
+    """A record-less flat entry (zero_to_fp32, fairscale) of another size or dtype: ValueError, no change."""
+    model, storage, _ = _load_case()
     sd = _flat_source()
     del sd["flat_layout_b"]
+    numel = storage["b"].numel()
+    if kind == "size":
+        sd["flat_param_b"] = torch.cat([sd["flat_param_b"], torch.zeros(1)])
+        found = rf"found shape \({numel + 1},\), torch.float32"
+    else:
+        sd["flat_param_b"] = sd["flat_param_b"].double()
+        found = rf"found shape \({numel},\), torch.float64"
     snap = snapshot(model)
-    with pytest.raises(
-        ValueError,
-        match=r"flat state dict entry 'flat_param_b' comes without its layout record 'flat_layout_b'",
-    ):
-        model.load_state_dict(sd, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any warning
+        with pytest.raises(
+            ValueError,
+            match=r"flat state dict entry 'flat_param_b' comes without its layout record and does not "
+            rf"match group 'b': expected a one-dimensional torch.float32 tensor of {numel} elements, "
+            + found,
+        ):
+            model.load_state_dict(sd, strict=False)
     assert_unchanged(model, snap)
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from .._core.features import Feature
 from .._core.flat_parameter import FlatParameter
+from .._core.foreign import is_foreign
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -429,9 +430,7 @@ class StorageCore:
                 current = params.get(group.flat_name)
                 if current is group.flat:
                     continue
-                # A plain tensor there is functional_call's substitute; a tensor subclass is
-                # another engine's (FSDP2 registers DTensor parameters): both are left alone.
-                if isinstance(current, Tensor) and type(current) not in (nn.Parameter, FlatParameter):
+                if is_foreign(current):  # functional_call's substitute, FSDP2's DTensor: left alone
                     continue
                 try:
                     check_flat_replacement(group, current)
@@ -472,7 +471,11 @@ class StorageCore:
             raise
 
     def adopt_flat_params(self) -> None:
-        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
+        """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed.
+
+        Another engine's tensor in a flat parameter's place (FSDP2's DTensor) is
+        left to that engine; only the padding of its local shard is zeroed.
+        """
         root = self.module
         for group in self._groups:
             flat = surgery.rewrap_flat_param(root, group)
@@ -480,6 +483,9 @@ class StorageCore:
                 self._set_group(dataclasses.replace(group, flat=flat))
         for group in self._groups:
             surgery.zero_padding(group.flat, group.layout)  # e.g. to_empty() leaves garbage there
+            registered = root._parameters.get(group.flat_name)
+            if registered is not None and registered is not group.flat and is_foreign(registered):
+                surgery.zero_padding(registered, group.layout)  # FSDP2's DTensor: its local shard
         self.flat_buffers_replaced()  # a converted or moved buffer left its offload file, say
 
     def _set_group(self, group: Group) -> None:

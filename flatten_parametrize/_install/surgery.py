@@ -4,7 +4,8 @@ Registration (:func:`install`) and removal (:func:`uninstall`), the two mode
 switches (:func:`flatten_module`, :func:`unflatten_module`), pointing the
 original parameter objects at their slots (:func:`refresh_originals`),
 re-wrapping flat parameters that ``module.to()`` & co. replaced
-(:func:`rewrap_flat_params`) and zeroing padding (:func:`zero_padding`). Each
+(:func:`rewrap_flat_param`; another engine's tensor there is left to it, see
+``_core/foreign.py``) and zeroing padding (:func:`zero_padding`). Each
 takes a :class:`~._transaction.Transaction` where it can fail half-way, so
 that the coordinator can run it all or nothing. The coordinator keeps its own
 state (mode, group records); these functions see it through its read API.
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
+from .._core.foreign import is_foreign, local_shard
 from .._core.layout import GroupLayout
 from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from .._core.parametrize_interop import HiddenParametrizations, register_view
@@ -93,14 +95,31 @@ def _modules(root: nn.Module) -> dict[str, nn.Module]:
 
 
 def zero_padding(flat: Tensor, layout: GroupLayout) -> None:
-    """Write zeros into the padding of ``flat`` (a tensor laid out by ``layout``), leaving the slots."""
+    """Write zeros into the padding of ``flat`` (a tensor laid out by ``layout``), leaving the slots.
+
+    A ``DTensor`` sharded along its only dimension (FSDP2's) gets zeros in the
+    padding its local shard holds; any other tensor subclass is left alone.
+    """
     if not layout.padding or flat.is_meta:
         return
+    start = 0
+    if type(flat) not in (Tensor, nn.Parameter, FlatParameter):
+        local = local_shard(flat)
+        if local is None:
+            return
+        flat, start = local
+        if flat.is_meta:
+            return
+    end = start + flat.numel()
     slot_segments = set(layout.segments)
+    cursor = 0
     with torch.no_grad():
-        for segment, chunk in enumerate(flat.detach().split(layout.split_sizes)):
-            if segment not in slot_segments:
-                chunk.zero_()
+        data = flat.detach()
+        for segment, size in enumerate(layout.split_sizes):
+            lo, hi = max(cursor, start), min(cursor + size, end)
+            if segment not in slot_segments and lo < hi:
+                data[lo - start : hi - start].zero_()
+            cursor += size
 
 
 def invalidate(groups: Sequence[Group]) -> None:
@@ -132,16 +151,42 @@ def rewrap_flat_param(root: nn.Module, group: Group) -> FlatParameter:
     param = root._parameters.get(group.flat_name)
     if not isinstance(param, Tensor) or (param is group.flat and type(param) is FlatParameter):
         return group.flat
-    layout, members = group.layout, group.members
-    flat = as_flat_parameter(
-        param,
-        names=[slot.name for slot in members],
-        shapes=[layout.shapes[slot.index] for slot in members],
-        numels=[layout.numels[slot.index] for slot in members],
-        offsets=[layout.offsets[slot.index] for slot in members],
-    )
+    if is_foreign(param):  # e.g. FSDP2's DTensor after .to(): FSDP2 converts and keeps it
+        return _follow(group, param)
+    flat = as_flat_parameter(param, **_layout_of(group))
     root._parameters[group.flat_name] = flat
     return flat
+
+
+def _layout_of(group: Group) -> dict[str, Any]:
+    layout, members = group.layout, group.members
+    return {
+        "names": [slot.name for slot in members],
+        "shapes": [layout.shapes[slot.index] for slot in members],
+        "numels": [layout.numels[slot.index] for slot in members],
+        "offsets": [layout.offsets[slot.index] for slot in members],
+    }
+
+
+def _follow(group: Group, foreign: Tensor) -> FlatParameter:
+    """Return ``group``'s flat parameter, or a copy with the dtype and device of ``foreign``.
+
+    Another engine holds ``foreign`` in the flat parameter's place and converted
+    it (``.double()``, ``.to(device)``); the group's flat parameter, which that
+    engine's own parameter (FSDP2's unsharded one) must match when it comes
+    back, follows. One whose memory the engine freed, or on the meta device,
+    gets uninitialized memory: the values are the engine's.
+    """
+    flat = group.flat
+    if flat.dtype == foreign.dtype and flat.device == foreign.device:
+        return flat
+    needed = (flat.storage_offset() + flat.numel()) * flat.element_size()
+    with torch.no_grad():
+        if flat.is_meta or flat.untyped_storage().nbytes() < needed:
+            data = torch.empty(flat.shape, dtype=foreign.dtype, device=foreign.device)
+        else:
+            data = flat.detach().to(dtype=foreign.dtype, device=foreign.device)
+    return FlatParameter(data, flat.requires_grad, **_layout_of(group))
 
 
 # ------------------------------------------------------------------ registration

@@ -9,12 +9,16 @@ unflattened form (after checking its layout record); then each module runs
 torch's own ``_load_from_state_dict`` with a *staging* parameter in place of
 each flattened attribute. Staging parameters record what torch would copy
 instead of copying, so that the registered module's ``load_state_dict`` can
-commit every value after torch has checked everything (atomic loading).
+commit every value after torch has checked everything (atomic loading). Where
+FSDP2 registered its ``DTensor`` in a flat parameter's place, staging
+parameters are stand-ins of the slots' shapes and the commit writes the part of
+each slot that this rank's shard holds (``_core/foreign.py``).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -23,8 +27,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .._core.foreign import is_foreign, local_shard
 from .._core.names import flat_layout_name, registered_storage
 from .._core.records import Coordinator, Group, ModuleState, StagedValue
+from .._core.view_cache import GroupViews
 from .._core.writes import land_direct_writes
 from .alias import own_storage_alias
 
@@ -66,8 +72,15 @@ class StagingSlot(nn.Parameter):
             return func(*args, **(kwargs or {}))
 
 
-def _staging(view: Tensor, requires_grad: bool) -> StagingSlot:
-    slot = torch.Tensor._make_subclass(StagingSlot, view.detach(), requires_grad)
+def _staging(views: GroupViews, index: int, requires_grad: bool) -> StagingSlot:
+    current = views.current()
+    shard = local_shard(current) if is_foreign(current) else None
+    if shard is None:
+        memory = views.view(index).detach()
+    else:  # FSDP2's DTensor: a stand-in of the slot's shape (the values go to the local shard)
+        local = shard[0]
+        memory = torch.empty((), dtype=local.dtype, device=local.device).expand(views.layout.shapes[index])
+    slot = torch.Tensor._make_subclass(StagingSlot, memory, requires_grad)
     slot._source = None
     return slot
 
@@ -188,7 +201,7 @@ def load_module(
     saved = list(params.items())
     hidden = {group.flat_name for group in root.groups()} if root is not None else set()
     staged = {
-        name: _staging(group.view(index), group.current().requires_grad)
+        name: _staging(group, index, group.current().requires_grad)
         for name, (group, index) in state.slots.items()
     }
     try:
@@ -273,10 +286,14 @@ def _first_difference(expected: dict[str, Any], found: dict[str, Any]) -> str:
 def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix: str) -> None:
     """Replace the flat entries of ``state_dict`` (in place) by views under the original names.
 
+    A flat entry without its layout record (DeepSpeed's ``zero_to_fp32``,
+    fairscale's wrapper) loads when its size and dtype are the group's, with a
+    ``UserWarning`` (one per load) that the layout could not be checked.
+
     Raises:
-        ValueError: if the dict mixes both forms, a layout record is missing
-            or differs from this storage's layout, or a flat tensor has the
-            wrong size.
+        ValueError: if the dict mixes both forms, a layout record differs
+            from this storage's layout, or a flat tensor has the wrong size (or,
+            without its layout record, the wrong dtype).
         TypeError: if a flat entry is not a tensor.
     """
     groups = storage.groups()
@@ -292,6 +309,7 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
             f"('{original}') for one flat storage; load one form: module.state_dict() "
             "or storage.flat_state_dict()"
         )
+    unchecked: list[str] = []
     for key in ours:
         group = by_key[key]
         gname = group.name
@@ -300,11 +318,9 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
         if not isinstance(flat, Tensor):
             raise TypeError(f"flat state dict entry '{key}' must be a tensor; got {type(flat).__name__}")
         if record_key not in state_dict:
-            raise ValueError(
-                f"flat state dict entry '{key}' comes without its layout record '{record_key}', "
-                "so it cannot be checked against this layout; write flat checkpoints with "
-                "storage.flat_state_dict(), or load the unflattened form"
-            )
+            _check_recordless(key, flat, group)
+            unchecked.append(key)
+            continue
         expected = _layout_dict(group)
         found = _read_record(state_dict[record_key], record_key)
         if found.get("numel") != expected["numel"] or found.get("slots") != expected["slots"]:
@@ -319,15 +335,43 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
                 f"flat state dict entry '{key}' has shape {tuple(flat.shape)}; group "
                 f"'{gname}' needs a one-dimensional tensor of {numel} elements"
             )
+    if unchecked:
+        entries = ", ".join(f"'{key}'" for key in unchecked)
+        warnings.warn(
+            f"flat state dict entr{'ies' if len(unchecked) > 1 else 'y'} {entries} "
+            f"{'come' if len(unchecked) > 1 else 'comes'} without a layout record (as DeepSpeed's "
+            "zero_to_fp32 and fairscale write flat checkpoints): the size and dtype match this "
+            "model, but the layout could not be checked; the values are loaded in this model's "
+            "layout. Save with storage.flat_state_dict() or module.state_dict() to keep the check",
+            UserWarning,
+            stacklevel=2,
+        )
     for key in ours:
         group = by_key[key]
         flat = state_dict.pop(key)
-        state_dict.pop(prefix + flat_layout_name(group.name))
+        state_dict.pop(prefix + flat_layout_name(group.name), None)
         views = group.split(flat)
         for slot in group.members:
             for name in slot.all_names:
                 if name in live:  # a replaced submodule loads its own entries
                     state_dict[prefix + name] = views[slot.index]
+
+
+def _check_recordless(key: str, flat: Tensor, group: Group) -> None:
+    """Refuse a flat entry without layout record unless its size and dtype are the group's.
+
+    Raises:
+        ValueError: naming the entry, what the group needs and what was found.
+    """
+    numel, dtype = group.layout.numel, group.flat.dtype
+    if flat.shape != (numel,) or flat.dtype != dtype:
+        raise ValueError(
+            f"flat state dict entry '{key}' comes without its layout record and does not match "
+            f"group '{group.name}': expected a one-dimensional {dtype} tensor of {numel} elements, "
+            f"found shape {tuple(flat.shape)}, {flat.dtype}; a flat entry without layout record "
+            "loads only into a model whose group has its exact size and dtype (convert it with "
+            f".to({dtype}) if only the dtype differs), or load the unflattened form"
+        )
 
 
 class Snapshot:
@@ -411,12 +455,43 @@ def _commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
     if not loaded:
         return
     with torch.no_grad():
-        splits = {id(group.views): group.value_views() for group in groups}
+        splits: dict[int, list[Tensor]] = {}
         targets, sources = [], []
         for views, index, source in loaded:
+            current = views.current()
+            shard = local_shard(current) if is_foreign(current) else None
+            if shard is not None:  # FSDP2's DTensor: the part of the slot that this rank holds
+                part = _local_part(views, index, source, *shard)
+                if part is not None:
+                    targets.append(part[0])
+                    sources.append(part[1])
+                continue
+            if id(views) not in splits:
+                group = next(group for group in groups if group.views is views)
+                splits[id(views)] = group.value_views()
             target = splits[id(views)][index]
             if source.dtype != target.dtype or source.device != target.device:
                 source = source.to(dtype=target.dtype, device=target.device)
             targets.append(target)
             sources.append(source)
-        torch._foreach_copy_(targets, sources)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+
+def _local_part(
+    views: GroupViews, index: int, source: Tensor, local: Tensor, start: int
+) -> tuple[Tensor, Tensor] | None:
+    """Return (target, source) for the elements of slot ``index`` in a local shard starting at ``start``.
+
+    A ``DTensor`` source is gathered first (``full_tensor()``: a collective that
+    every rank runs, in the same order, whatever part of the slot it holds).
+    """
+    full_tensor = getattr(source, "full_tensor", None)
+    if callable(full_tensor):
+        source = full_tensor()
+    offset = views.layout.offsets[index]
+    lo, hi = max(offset, start), min(offset + views.layout.numels[index], start + local.numel())
+    if lo >= hi:
+        return None
+    values = source.reshape(-1)[lo - offset : hi - offset].to(dtype=local.dtype, device=local.device)
+    return local.detach()[lo - start : hi - start], values

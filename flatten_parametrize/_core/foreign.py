@@ -1,0 +1,49 @@
+"""Another engine's tensor in a flat parameter's place (FSDP2's ``DTensor``).
+
+``fully_shard`` registers a sharded ``DTensor`` parameter where the flat
+parameter was; that tensor, and its conversions (``.to()``, ``.double()``),
+are FSDP2's. The library leaves it there (:func:`is_foreign`) and writes into
+the part of it that this rank holds (:func:`local_shard`): the padding after
+``to_empty()``, the values of a ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from .flat_parameter import FlatParameter
+
+__all__ = ["is_foreign", "local_shard"]
+
+
+def is_foreign(tensor: Any) -> bool:
+    """Return whether ``tensor``, found in a flat parameter's place, belongs to another engine.
+
+    A tensor subclass other than ours (FSDP2 registers ``DTensor`` parameters) is
+    that engine's to convert and to keep; a plain tensor is ``functional_call``'s
+    substitute. Neither is adopted as the group's flat parameter.
+    """
+    return isinstance(tensor, Tensor) and type(tensor) not in (nn.Parameter, FlatParameter)
+
+
+def local_shard(tensor: Tensor) -> tuple[Tensor, int] | None:
+    """Return the part of a one-dimensional ``DTensor`` that this rank holds and its global offset.
+
+    ``None`` for any other tensor: only a DTensor on a one-dimensional mesh,
+    sharded along dimension 0 (FSDP2's parameters are) or replicated, is
+    located here.
+    """
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if not isinstance(tensor, DTensor) or tensor.dim() != 1 or tensor.device_mesh.ndim != 1:
+        return None
+    placement = tensor.placements[0]
+    if not (type(placement) is Replicate or (type(placement) is Shard and placement.dim == 0)):
+        return None
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), int(offset[0])
