@@ -7,7 +7,7 @@ names are unchanged.
 
 Layout of the package (every sub-package is private; what users import is
 re-exported here). Dependencies run one way, downwards in this list, and
-``tests/test_structure.py`` enforces it:
+``tests/guarantees/test_structure.py`` enforces it:
 
 * the public entry points, beside this file: ``_api.py`` (register, get,
   remove), ``_storage.py`` (the ``FlatStorage`` facade users hold),

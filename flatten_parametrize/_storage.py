@@ -1,7 +1,7 @@
 """``FlatStorage``: the object users hold, a facade over the private coordinator core.
 
 Its public names are exactly the user API of the product contract (the
-"Public surface" list, checked by ``tests/test_structure.py``); each
+"Public surface" list, checked by ``tests/guarantees/test_structure.py``); each
 delegates to the :class:`~._install.coordinator.StorageCore` behind it, or to
 a feature composed on that core (gradient sync, disk backing, ensembles),
 which the facade creates on first use. The library itself never calls the

@@ -1,6 +1,6 @@
 """Lightning's ModelParallelStrategy on 2 CPU processes (gloo), FSDP2 applied in ``configure_model``.
 
-Run by ``tests/test_engines.py`` as ``python -m torch.distributed.run --nproc_per_node 2
+Run by ``tests/distributed/test_engines.py`` as ``python -m torch.distributed.run --nproc_per_node 2
 tests/_model_parallel.py OUTDIR``. For the plain and the flattened model (registered in
 ``configure_model``, then ``fully_shard``; the strategy calls ``.to(device)`` next):
 

@@ -1,4 +1,16 @@
-"""Test configuration: a fixed seed for every test; the fixtures `one_intra_op_thread` and `world1`."""
+"""Test configuration: a fixed seed for every test; the fixtures `one_intra_op_thread` and `world1`.
+
+The tests are grouped by what they guard:
+
+* ``unit/<sub-package>/``: one folder per private sub-package of ``flatten_parametrize``
+  (``core``, ``state``, ``install``, ``features``, ``inspect``), a file per module or concern;
+* ``guarantees/``: the promises that hold across the library (bad input, faults, atomicity,
+  same results as the plain model, threads, leaks, checkpoints, structure);
+* ``interop/``: outside libraries and torch subsystems against a plain twin;
+* ``distributed/``: multi-process runs (gloo on 127.0.0.1, torchrun for the engines);
+* here: the demo, the notebooks, the benchmarks and the documentation build, and the shared
+  helpers (``_helpers.py``, ``_hf.py``, ``_lightning.py``, ``_model_parallel.py``).
+"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ private core through ``records.Coordinator``.) The features are gradient sync
 (``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``_Member``
 (``_distributed/sharded.py``), disk backing (``_features/offload.py``) and
 ensembles (``_features/functional.py``); each owns its state, holds the core
-weakly, and reads nothing of another feature (``tests/test_structure.py``
+weakly, and reads nothing of another feature (``tests/guarantees/test_structure.py``
 checks their imports). The seams, all of them:
 
 * **Composition**: ``core.feature(kind)``, ``core.add_feature(f)``,

@@ -29,7 +29,7 @@ from flatten_parametrize import get_flat_storage, register_flat_storage, weight_
 
 from _helpers import assert_unchanged, mlp, save_result, snapshot, spawn_gloo, values
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the launched scripts live there
 ROOT = TESTS.parent
 
 

@@ -24,6 +24,9 @@ from flatten_parametrize import get_flat_storage, register_flat_storage
 
 from _helpers import Mixed, TiedLM, WithOwnParam, assert_same_values, mlp, train_steps, twin, values
 
+#: ``tests/``, where ``_helpers.py`` lives (a fresh interpreter needs it on its path).
+TESTS = Path(__file__).resolve().parents[2]
+
 
 def _input(model: nn.Module) -> torch.Tensor:
     if isinstance(model, TiedLM):
@@ -177,7 +180,7 @@ def test_a_saved_model_loads_in_a_fresh_process_without_any_import(tmp_path):
     torch.save(x, tmp_path / "x.pt")
     script = (
         "import sys, torch\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})  # the model's class: tests/_helpers.py\n"
+        f"sys.path.insert(0, {str(TESTS)!r})  # the model's class: tests/_helpers.py\n"
         f"model = torch.load({str(path)!r}, weights_only=False)\n"
         "from flatten_parametrize import get_flat_storage\n"
         "assert get_flat_storage(model).param_infos[0].name == 'embed.weight'\n"

@@ -14,40 +14,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
 from flatten_parametrize._core.view_cache import WRITE_SCANS
 
-from _helpers import TiedLM, assert_same_values, core_of, mlp, twin, values
+from _helpers import TiedLM, assert_agrees_with_twin, assert_same_values, core_of, mlp, twin, values
 
 
 def _pair(factory: Callable[[], nn.Module] = mlp, **kwargs: Any) -> tuple[nn.Module, nn.Module, Any]:
     plain = factory()
     flat = twin(plain)
     return plain, flat, register_flat_storage(flat, **kwargs)
-
-
-def assert_agree(plain: nn.Module, flat: nn.Module, x: torch.Tensor | None = None) -> None:
-    """Forward (every mode), both state dicts, unflattened() and removal all equal the twin."""
-    storage = get_flat_storage(flat)
-    x = torch.randn(2, 5) if x is None else x
-    torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
-    with torch.no_grad():
-        torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
-    with torch.inference_mode():
-        torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
-    assert_same_values(values(flat), values(plain))
-    reloaded = twin(plain)
-    reloaded.load_state_dict(flat.state_dict())
-    assert_same_values(values(reloaded), values(plain))
-    copy_of = twin(flat)
-    copy_of.load_state_dict(storage.flat_state_dict())
-    assert_same_values(values(copy_of), values(plain))
-    with storage.unflattened():
-        assert_same_values(values(flat), values(plain))
-        torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
-    removed = twin(flat)
-    remove_flat_storage(removed)
-    assert_same_values(values(removed), values(plain))
 
 
 # ----------------------------------------------------------------------- weight.data = t
@@ -65,7 +41,7 @@ def test_data_assignment_lands_in_the_flat_buffer_for_every_mode_and_state_dict(
         flat[2].weight.data = new.clone()
     plain[2].weight.data = new.clone()
     assert torch.equal(storage["0"].detach()[30:55].view(5, 5), new)
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 def test_data_assignment_read_first_in_another_mode_still_lands():
@@ -105,7 +81,7 @@ def test_data_assignment_on_a_tied_weight_reaches_every_name():
     flat.head.weight.data = new.clone()
     plain.head.weight.data = new.clone()
     assert torch.equal(flat.embed.weight, new)
-    assert_agree(plain, flat, torch.randint(0, 11, (2, 3)))
+    assert_agrees_with_twin(plain, flat, torch.randint(0, 11, (2, 3)))
 
 
 def test_data_assignment_of_another_shape_is_refused_and_changes_nothing():
@@ -116,7 +92,7 @@ def test_data_assignment_of_another_shape_is_refused_and_changes_nothing():
         RuntimeError, match=r"cannot take `0\.weight\.data = tensor`.*shape \(5, 5\).*got shape \(3, 3\)"
     ):
         flat.state_dict()
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 def test_data_assignment_of_another_dtype_is_refused_at_the_next_forward():
@@ -126,7 +102,7 @@ def test_data_assignment_of_another_dtype_is_refused_at_the_next_forward():
     view.data = torch.zeros(5, 5, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"torch\.float32 on cpu; got shape \(5, 5\), torch\.float64"):
         flat(torch.randn(1, 5))
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 @pytest.mark.parametrize("reader", ["training step", "flat parameter", "deepcopy", "unflatten", "optimizer"])
@@ -154,7 +130,7 @@ def test_data_assignment_lands_before_any_reader_of_the_flat_parameter(reader):
         opt = torch.optim.SGD(flat.parameters(), lr=0.0)
         opt.step()  # an optimizer step reads the flat parameter directly
         assert torch.equal(storage["0"].detach()[30:55].view(5, 5), new)
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 # ------------------------------------------------- _parameters[...] / register_parameter
@@ -171,7 +147,7 @@ def test_a_parameter_set_on_a_flattened_attribute_lands_in_its_slot(how):
             model[2].register_parameter("weight", param)
         else:
             model[2]._parameters["weight"] = param
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
     assert [name for name, _ in flat.named_parameters()] == ["flat_param_0"]
     assert "weight" not in flat[2]._parameters
 
@@ -183,7 +159,7 @@ def test_a_parameter_put_into_parameters_is_landed_by_state_dict_without_an_acce
     flat[0]._parameters["bias"] = nn.Parameter(new.clone())
     plain[0].bias = nn.Parameter(new.clone())
     assert_same_values(values(flat), values(plain))
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 @pytest.mark.parametrize(
@@ -201,7 +177,7 @@ def test_a_parameter_that_cannot_land_is_refused_and_removed(value, message):
     with pytest.raises(RuntimeError, match=message):
         flat(torch.randn(1, 5))
     assert "weight" not in flat[2]._parameters
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 # ------------------------------------------------------------ replacing a flat parameter
@@ -224,7 +200,7 @@ def test_a_replaced_flat_parameter_is_adopted_everywhere(how):
         [25, 5] * 3,
     )
     assert storage.flat_state_dict()["flat_param_0"].data_ptr() == param.data_ptr()
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
     # Training through the new flat parameter matches the plain model.
     for model in (plain, flat):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -252,7 +228,7 @@ def test_a_flat_parameter_replacement_that_does_not_fit_is_refused(value, messag
             flat._parameters["flat_param_0"] = value
             flat.state_dict()
     assert flat.flat_param_0 is old and storage["0"] is old
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 def test_replacing_a_flat_parameter_in_unflattened_mode_is_refused():
@@ -261,7 +237,7 @@ def test_replacing_a_flat_parameter_in_unflattened_mode_is_refused():
     with storage.unflattened():
         with pytest.raises(RuntimeError, match=r"cannot replace flat_param_0 in unflattened mode"):
             flat.flat_param_0 = nn.Parameter(torch.zeros(90))
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 def test_functional_call_with_the_flat_parameter_is_not_a_replacement():
@@ -294,7 +270,7 @@ def test_load_state_dict_with_assign_lands_in_both_forms_and_modes(form, mode):
         with storage.unflattened():
             flat.load_state_dict(sd, assign=True)
     assert storage["0"] is old and flat.flat_param_0 is old
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 # ----------------------------------------------------------------- vector_to_parameters
@@ -310,7 +286,7 @@ def test_vector_to_parameters_lands_in_both_modes(mode):
         with storage.unflattened():
             vector_to_parameters(vector.clone(), flat.parameters())
     assert torch.equal(parameters_to_vector(flat.parameters()), vector)
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
@@ -336,7 +312,7 @@ def test_peft_merge_and_unload_equals_the_plain_model(safe_merge):
         config = peft.LoraConfig(target_modules=["q"], r=2, init_lora_weights=False)
         merged.append(peft.get_peft_model(model, config).merge_and_unload(safe_merge=safe_merge))
     assert get_flat_storage(merged[1]) is storage
-    assert_agree(merged[0], merged[1], torch.randn(3, 4))
+    assert_agrees_with_twin(merged[0], merged[1], torch.randn(3, 4))
 
 
 # ------------------------------------------------------- when writes land, and what a forward costs
@@ -405,7 +381,7 @@ def test_a_forward_after_a_write_lands_it():
         scanned = _scanned_by(lambda: torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0))
     assert scanned["parameters"] == 0  # landed by the read of `4.bias`, no dict was scanned
     assert "bias" not in flat[4]._parameters and torch.equal(storage["0"].detach()[85:90], bias)
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
 @pytest.mark.parametrize("when", ["before the forward", "after the backward", "without a forward"])
@@ -459,4 +435,4 @@ def test_a_cached_read_reads_nothing_of_the_flat_parameter_but_its_identity(monk
     vector_to_parameters(new.clone(), plain.parameters())
     with torch.no_grad():
         torch.testing.assert_close(flat(x), plain(x), rtol=0, atol=0)
-    assert_agree(plain, flat)
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))

@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounter
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import TiedLM
+from _helpers import TiedLM, train_steps
 
 
 def _mlp(depth: int = 4) -> nn.Sequential:
@@ -23,14 +23,7 @@ def _mlp(depth: int = 4) -> nn.Sequential:
 def _train(model: nn.Module, step_fn, steps: int = 10) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = step_fn(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, [x] * steps, lambda _, batch: step_fn(batch).pow(2).mean())
 
 
 def test_flattened_model_traces_as_one_graph_without_breaks():

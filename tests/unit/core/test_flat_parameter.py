@@ -90,7 +90,7 @@ def test_flat_parameter_rejects_a_layout_that_does_not_fit():
 def test_checkpoint_written_before_the_sub_packages_loads_with_weights_only():
     """A flat parameter and flat state dict saved by the earlier package layout load with weights_only=True.
 
-    ``tests/data/flat_parameter_before_subpackages.pt`` was written by the package as it was
+    ``tests/unit/core/data/flat_parameter_before_subpackages.pt`` was written by the package as it was
     before its modules moved into sub-packages: ``torch.save({"flat": storage["0"], "sd":
     storage.flat_state_dict()})`` of ``nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))`` after
     ``torch.manual_seed(0)``. Its pickle names ``flatten_parametrize._flat_parameter``.
