@@ -62,8 +62,9 @@ def _fairscale_style(plain: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _real_fairscale(plain: nn.Module) -> dict[str, torch.Tensor]:
-    fairscale = pytest.importorskip("fairscale.nn.misc")
-    wrapper = fairscale.FlattenParamsWrapper(_with_stats(_net(1)))
+    from fairscale.nn.misc import FlattenParamsWrapper  # the test extra has it: never skipped
+
+    wrapper = FlattenParamsWrapper(_with_stats(_net(1)))
     wrapper.load_state_dict(plain.state_dict())
     return {k: v.clone() for k, v in wrapper.flat_state_dict().items()}
 
@@ -247,7 +248,6 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    pytest.importorskip("lightning")
     outdir = tmp_path_factory.mktemp("model_parallel")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -371,7 +371,6 @@ def _deepspeed_worker(rank: int, world: int, outdir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    pytest.importorskip("deepspeed")
     outdir = tmp_path_factory.mktemp("deepspeed")
     # The first run on a machine builds DeepSpeed's CPU ops (shared-memory comm, Adam) just in time.
     spawn_gloo(_deepspeed_worker, outdir, world=2, deadline_s=600, collective_timeout_s=300)
