@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
 from _helpers import assert_plain, assert_unchanged, bn_mlp, registered_bn_mlp, snapshot
 
@@ -108,3 +108,20 @@ def test_pickling_a_flat_storage_is_refused():
     with pytest.raises(RuntimeError, match=r"a FlatStorage cannot be pickled on its own; pickle the"):
         pickle.dumps(storage)
     assert_unchanged(model, snap)
+
+
+def test_flat_storage_is_not_constructed_directly():
+    """FlatStorage(...) is refused with a TypeError naming register_flat_storage; nothing is registered."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"FlatStorage is not constructed directly; call register_flat_stor"):
+        FlatStorage(model)  # type: ignore[call-arg]
+    assert get_flat_storage(model) is None
+    assert_plain(model)
+
+
+def test_the_same_facade_is_returned_for_one_storage():
+    """register_flat_storage, get_flat_storage and exist_ok=True hand out one FlatStorage object."""
+    model = nn.Linear(2, 2)
+    storage = register_flat_storage(model)
+    assert get_flat_storage(model) is storage
+    assert register_flat_storage(model, exist_ok=True) is storage
