@@ -80,11 +80,8 @@ class FlatStorage:
         return feature
 
     def __getstate__(self) -> None:
-        # The registered module pickles itself with a record of its storage (``_install/pickling.py``).
-        raise RuntimeError(
-            "a FlatStorage cannot be pickled on its own; pickle the registered module "
-            "(torch.save(model)), or save module.state_dict() or storage.flat_state_dict()"
-        )
+        # Refused as the core refuses it: the registered module pickles itself (``_install/pickling.py``).
+        self._core.__getstate__()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         # The storage of the copied module: copying the module copies its core (``_install/copying.py``).
