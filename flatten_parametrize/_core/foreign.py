@@ -9,13 +9,15 @@ the part of it that this rank holds (:func:`local_shard`): the padding after
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter
 
-__all__ = ["is_foreign", "local_shard"]
+__all__ = ["detached_dtensor", "is_distributed", "is_foreign", "local_shard"]
 
 
 def is_foreign(tensor: Any) -> bool:
@@ -26,6 +28,43 @@ def is_foreign(tensor: Any) -> bool:
     substitute. Neither is adopted as the group's flat parameter.
     """
     return isinstance(tensor, Tensor) and type(tensor) not in (nn.Parameter, FlatParameter)
+
+
+@functools.cache
+def _dtensor_class() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def is_distributed(tensor: Any) -> bool:
+    """Return whether ``tensor`` is a ``DTensor`` (FSDP2's sharded parameter, say).
+
+    Its local values change (optimizer steps, FSDP2's resharding) without
+    anything that a cache of views could compare: views of it are never cached.
+    """
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def detached_dtensor(tensor: Any) -> Any:
+    """Return a ``DTensor`` without autograd history over ``tensor``'s local values (no copy).
+
+    ``DTensor.detach()`` refuses under ``inference_mode``; a new ``DTensor`` over
+    the detached local tensor does not.
+    """
+    if not torch.is_inference_mode_enabled():
+        return tensor.detach()
+    return type(tensor).from_local(
+        tensor.to_local().detach(),
+        tensor.device_mesh,
+        tensor.placements,
+        run_check=False,
+        shape=tensor.shape,
+        stride=tensor.stride(),
+    )
 
 
 def local_shard(tensor: Tensor) -> tuple[Tensor, int] | None:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
 from .flat_parameter import FlatParameter
+from .foreign import is_distributed
 from .grad import GradBuffer, _GroupSplit
 from .layout import GroupLayout
 from .names import registered_storage
@@ -300,6 +301,8 @@ class GroupViews:
         try:
             ptr = flat.data_ptr()
         except RuntimeError:  # fake (tracing) and vmap's batched tensors have no storage
+            return self._uncached(flat, index)
+        if is_distributed(flat):  # FSDP2's sharded DTensor: its split is a copy that steps leave behind
             return self._uncached(flat, index)
         self.sync()
         self.check_next_forward = True

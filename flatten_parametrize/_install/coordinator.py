@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .._core.features import Feature
 from .._core.flat_parameter import FlatParameter
-from .._core.foreign import is_foreign
+from .._core.foreign import detached_dtensor, is_distributed, is_foreign
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -513,6 +513,9 @@ class StorageCore:
         parameters were reassigned (without changing anything)."""
         flat = group.flat.detach()
         if self._flattened:
+            registered = self.module._parameters.get(group.flat_name)
+            if is_distributed(registered):  # FSDP2's DTensor holds the values (sharded like the buffer)
+                return detached_dtensor(registered)
             return flat
         targets = group.split(flat)
         live = self.live_names()

@@ -27,12 +27,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from .._core.foreign import is_foreign, local_shard
+from .._core.foreign import is_distributed, is_foreign, local_shard
 from .._core.names import flat_layout_name, registered_storage
 from .._core.records import Coordinator, Group, ModuleState, StagedValue
 from .._core.view_cache import GroupViews
 from .._core.writes import land_direct_writes
 from .alias import own_storage_alias
+from .sharded_slots import local_writes, sharded_flat, slot_values
 
 __all__ = [
     "Snapshot",
@@ -102,8 +103,8 @@ def save_module(
     else:
         land_direct_writes([(module, state)])
     own: OrderedDict[str, Any] = OrderedDict()
-    base_save(own, prefix, keep_vars)
     root: Coordinator | None = registered_storage(module)
+    _save_without_dtensor_flats(module, root, base_save, own, prefix, keep_vars)
     if root is not None:
         for group in root.groups():
             own.pop(prefix + group.flat_name, None)
@@ -111,11 +112,43 @@ def save_module(
         key = prefix + name
         slot = state.slots.get(name)
         if slot is not None:
+            sharded = _sharded_value(destination, slot)
+            if sharded is not None:
+                destination[key] = sharded
+                continue
             view = slot[0].view(slot[1])
             destination[key] = view if keep_vars else _alias(destination, slot, view.detach())
         elif key in own:
             destination[key] = own.pop(key)
     destination.update(own)
+
+
+def _save_without_dtensor_flats(
+    module: nn.Module,
+    root: Coordinator | None,
+    base_save: Callable[[Any, str, bool], None],
+    own: Any,
+    prefix: str,
+    keep_vars: bool,
+) -> None:
+    """Run torch's save of ``module``'s own entries without FSDP2's flat ``DTensor`` parameters.
+
+    Their entries are dropped anyway (the slots are saved instead), and a
+    ``DTensor`` refuses ``detach()`` under ``inference_mode``.
+    """
+    params = module._parameters
+    flats = () if root is None else [g.flat_name for g in root.groups() if is_distributed(params.get(g.flat_name))]
+    if not flats:
+        base_save(own, prefix, keep_vars)
+        return
+    saved = list(params.items())
+    try:
+        for name in flats:
+            del params[name]
+        base_save(own, prefix, keep_vars)
+    finally:
+        params.clear()
+        params.update(saved)
 
 
 #: Per state dict being built (by id, with a weak reference: dicts are unhashable), the alias of
@@ -138,6 +171,40 @@ def _aliases_of(destination: Any) -> dict[tuple[int, int], Tensor]:
         return {}
     _ALIASES[key] = (ref, {})
     return _ALIASES[key][1]
+
+
+#: Per group whose flat parameter FSDP2 sharded, the per-slot values of the state dict being built
+#: (a weak reference to it, the flat ``DTensor`` and its local version then, the values).
+_SHARDED: weakref.WeakKeyDictionary[GroupViews, tuple[Any, Tensor, int, list[Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _sharded_value(destination: Any, slot: tuple[GroupViews, int]) -> Tensor | None:
+    """Return the slot's ``DTensor`` value if FSDP2 sharded its group's flat parameter, else ``None``.
+
+    The group's values are made once per state dict being built (one collective
+    per group, see ``sharded_slots.py``), and again for the next state dict or
+    after the flat parameter changed.
+    """
+    views, index = slot
+    current = views.current()
+    if not is_foreign(current):
+        return None
+    flat = sharded_flat(current, views.layout.numel)
+    if flat is None:
+        return None
+    version = flat.local._version
+    made = _SHARDED.get(views)
+    if made is not None and made[0]() is destination and made[1] is current and made[2] == version:
+        return made[3][index]
+    values = slot_values(flat, views.layout)
+    try:
+        ref: Any = weakref.ref(destination)
+    except TypeError:  # a destination without weak references: made again for each slot
+        return values[index]
+    _SHARDED[views] = (ref, current, version, values)
+    return values[index]
 
 
 def _alias(destination: Any, slot: tuple[Any, int], value: Tensor) -> Tensor:
@@ -457,10 +524,14 @@ def _commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
     with torch.no_grad():
         splits: dict[int, list[Tensor]] = {}
         targets, sources = [], []
+        foreign: dict[int, tuple[GroupViews, list[tuple[int, Tensor]]]] = {}
         for views, index, source in loaded:
             current = views.current()
+            if is_foreign(current) and sharded_flat(current, views.layout.numel) is not None:
+                foreign.setdefault(id(views), (views, []))[1].append((index, source))
+                continue
             shard = local_shard(current) if is_foreign(current) else None
-            if shard is not None:  # FSDP2's DTensor: the part of the slot that this rank holds
+            if shard is not None:  # another DTensor: the part of the slot that this rank holds
                 part = _local_part(views, index, source, *shard)
                 if part is not None:
                     targets.append(part[0])
@@ -474,6 +545,11 @@ def _commit_staged(groups: Sequence[Group], loaded: list[StagedValue]) -> None:
                 source = source.to(dtype=target.dtype, device=target.device)
             targets.append(target)
             sources.append(source)
+        for views, items in foreign.values():  # FSDP2's sharded flat parameter: this rank's shard
+            flat = sharded_flat(views.current(), views.layout.numel)
+            for target, source in local_writes(flat, views.layout, items):  # type: ignore[arg-type]
+                targets.append(target)
+                sources.append(source)
         if targets:
             torch._foreach_copy_(targets, sources)
 
