@@ -113,7 +113,7 @@ def _rows(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, 
 def _pieces(
     layout: GroupLayout, indices: Sequence[int], rows_of: int, held_by: int, world: int
 ) -> list[tuple[int, int, int]]:
-    """Return ``(index, lo, hi)``: the elements of ``rows_of``'s rows that ``held_by``'s buffer shard holds."""
+    """Return ``(index, lo, hi)``: the elements of ``rows_of``'s rows in ``held_by``'s shard of the buffer."""
     held_lo, held_hi = _chunk(layout.numel, world, held_by)
     out = []
     for index in indices:
@@ -167,7 +167,7 @@ def slot_values(flat: ShardedFlat, layout: GroupLayout) -> list[Tensor]:
         for index, lo, hi in got:
             parts[index].append(recv[cursor : cursor + hi - lo])
             cursor += hi - lo
-    values = []
+    values: list[Tensor] = []
     for index in indices:
         shape = layout.shapes[index]
         local_shape = _local_shape(layout, index, world, me)
@@ -216,14 +216,18 @@ def local_writes(
                 and tuple(source.shape) == tuple(layout.shapes[index])
                 and layout.shapes[index]
             ):
-                moved[index] = source.to_local().detach().reshape(-1).to(dtype=local.dtype, device=local.device)
+                moved[index] = (
+                    source.to_local().detach().reshape(-1).to(dtype=local.dtype, device=local.device)
+                )
                 continue
             source = source.to_local() if type(placement) is Replicate else source.full_tensor()
         offset = layout.offsets[index]
         lo, hi = max(offset, flat.start), min(offset + layout.numels[index], end)
         if lo < hi:
             value = source.detach().reshape(-1)[lo - offset : hi - offset]
-            writes.append((local[lo - flat.start : hi - flat.start], value.to(dtype=local.dtype, device=local.device)))
+            writes.append(
+                (local[lo - flat.start : hi - flat.start], value.to(dtype=local.dtype, device=local.device))
+            )
     if not moved:
         return writes
     indices = sorted(moved)

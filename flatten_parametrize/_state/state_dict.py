@@ -137,7 +137,11 @@ def _save_without_dtensor_flats(
     ``DTensor`` refuses ``detach()`` under ``inference_mode``.
     """
     params = module._parameters
-    flats = () if root is None else [g.flat_name for g in root.groups() if is_distributed(params.get(g.flat_name))]
+    flats = (
+        ()
+        if root is None
+        else [g.flat_name for g in root.groups() if is_distributed(params.get(g.flat_name))]
+    )
     if not flats:
         base_save(own, prefix, keep_vars)
         return
@@ -371,6 +375,16 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
     live = storage.live_names()
     original = next((prefix + n for n in sorted(live) if prefix + n in state_dict), None)
     if original is not None:
+        # The flat parameter itself beside the plain names: what set_model_state_dict(...,
+        # full_state_dict=True) adds from named_parameters(); it carries nothing to load.
+        for key in [
+            k for k in ours if state_dict[k] is by_key[k].views.current() or state_dict[k] is by_key[k].flat
+        ]:
+            state_dict.pop(key)
+            state_dict.pop(prefix + flat_layout_name(by_key[key].name), None)
+            ours.remove(key)
+        if not ours:
+            return
         raise ValueError(
             f"state dict mixes the flat form ('{ours[0]}') and the unflattened form "
             f"('{original}') for one flat storage; load one form: module.state_dict() "
