@@ -26,9 +26,11 @@ Each rank saves ``OUTDIR/<scenario>.<rank>.pt``.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -197,6 +199,10 @@ def values_scenario(rank: int) -> dict[str, Any]:
             fresh.load_state_dict(taken)
         out[f"{form}, loading traffic"] = loading
         out[f"{form}, loaded"] = weights(fresh)
+        probe = weakref.ref(taken["0.weight"])
+        del taken
+        gc.collect()
+        out[f"{form}, freed with its state dict"] = probe() is None
     return out
 
 

@@ -36,7 +36,16 @@ from torch import Tensor
 
 from .._core.layout import GroupLayout
 
-__all__ = ["ShardedFlat", "local_writes", "sharded_flat", "slot_values"]
+__all__ = [
+    "ShardedFlat",
+    "chunk_range",
+    "local_shape",
+    "local_writes",
+    "pieces",
+    "row_range",
+    "sharded_flat",
+    "slot_values",
+]
 
 
 @dataclass(frozen=True)
@@ -85,19 +94,19 @@ def sharded_flat(tensor: Any, numel: int) -> ShardedFlat | None:
         return ShardedFlat(tensor, local, 0, False, world, rank) if local.shape == (numel,) else None
     if type(placement) is not Shard or placement.dim != 0:
         return None
-    start, end = _chunk(numel, world, rank)
+    start, end = chunk_range(numel, world, rank)
     if local.shape != (end - start,):
         return None
     return ShardedFlat(tensor, local, start, True, world, rank)
 
 
-def _chunk(size: int, world: int, rank: int) -> tuple[int, int]:
+def chunk_range(size: int, world: int, rank: int) -> tuple[int, int]:
     """Return rank's piece ``[lo, hi)`` of ``range(size)`` cut by ``torch.chunk`` (as ``Shard`` does)."""
     step = -(-size // world) if size else 0
     return min(rank * step, size), min((rank + 1) * step, size)
 
 
-def _rows(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, int]:
+def row_range(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, int]:
     """Return the elements ``[lo, hi)`` of the buffer that hold rank's rows of slot ``index``.
 
     A slot without dimensions is every rank's (``Replicate()``).
@@ -105,30 +114,30 @@ def _rows(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, 
     shape, offset, numel = layout.shapes[index], layout.offsets[index], layout.numels[index]
     if not shape:
         return offset, offset + numel
-    lo, hi = _chunk(shape[0], world, rank)
+    lo, hi = chunk_range(shape[0], world, rank)
     row = numel // shape[0] if shape[0] else 0
     return offset + lo * row, offset + hi * row
 
 
-def _pieces(
+def pieces(
     layout: GroupLayout, indices: Sequence[int], rows_of: int, held_by: int, world: int
 ) -> list[tuple[int, int, int]]:
     """Return ``(index, lo, hi)``: the elements of ``rows_of``'s rows in ``held_by``'s shard of the buffer."""
-    held_lo, held_hi = _chunk(layout.numel, world, held_by)
+    held_lo, held_hi = chunk_range(layout.numel, world, held_by)
     out = []
     for index in indices:
-        lo, hi = _rows(layout, index, world, rows_of)
+        lo, hi = row_range(layout, index, world, rows_of)
         lo, hi = max(lo, held_lo), min(hi, held_hi)
         if lo < hi:
             out.append((index, lo, hi))
     return out
 
 
-def _local_shape(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, ...]:
+def local_shape(layout: GroupLayout, index: int, world: int, rank: int) -> tuple[int, ...]:
     shape = layout.shapes[index]
     if not shape:
         return ()
-    lo, hi = _chunk(shape[0], world, rank)
+    lo, hi = chunk_range(shape[0], world, rank)
     return (hi - lo, *shape[1:])
 
 
@@ -155,10 +164,10 @@ def slot_values(flat: ShardedFlat, layout: GroupLayout) -> list[Tensor]:
     world, me = flat.world, flat.rank
     sends, in_splits = [], []
     for peer in range(world):
-        mine = _pieces(layout, indices, rows_of=peer, held_by=me, world=world)
+        mine = pieces(layout, indices, rows_of=peer, held_by=me, world=world)
         sends += [local[lo - flat.start : hi - flat.start] for _, lo, hi in mine]
         in_splits.append(sum(hi - lo for _, lo, hi in mine))
-    received = [_pieces(layout, indices, rows_of=me, held_by=peer, world=world) for peer in range(world)]
+    received = [pieces(layout, indices, rows_of=me, held_by=peer, world=world) for peer in range(world)]
     out_splits = [sum(hi - lo for _, lo, hi in got) for got in received]
     recv = _exchange(flat, sends, in_splits, out_splits, local)
     parts: dict[int, list[Tensor]] = {i: [] for i in indices}
@@ -170,13 +179,13 @@ def slot_values(flat: ShardedFlat, layout: GroupLayout) -> list[Tensor]:
     values: list[Tensor] = []
     for index in indices:
         shape = layout.shapes[index]
-        local_shape = _local_shape(layout, index, world, me)
+        rows = local_shape(layout, index, world, me)
         chunks = parts[index]
         value = torch.cat(chunks) if chunks else local.new_empty(0)
         placement = Shard(0) if shape else Replicate()
         values.append(
             DTensor.from_local(
-                value.view(local_shape),
+                value.view(rows),
                 mesh,
                 [placement],
                 run_check=False,
@@ -234,12 +243,12 @@ def local_writes(
     world, me = flat.world, flat.rank
     sends, in_splits = [], []
     for peer in range(world):
-        mine = _pieces(layout, indices, rows_of=me, held_by=peer, world=world)
+        mine = pieces(layout, indices, rows_of=me, held_by=peer, world=world)
         for index, lo, hi in mine:
-            first = _rows(layout, index, world, me)[0]
+            first = row_range(layout, index, world, me)[0]
             sends.append(moved[index][lo - first : hi - first])
         in_splits.append(sum(hi - lo for _, lo, hi in mine))
-    received = [_pieces(layout, indices, rows_of=peer, held_by=me, world=world) for peer in range(world)]
+    received = [pieces(layout, indices, rows_of=peer, held_by=me, world=world) for peer in range(world)]
     out_splits = [sum(hi - lo for _, lo, hi in got) for got in received]
     recv = _exchange(flat, sends, in_splits, out_splits, local)
     cursor = 0

@@ -203,8 +203,15 @@ def _sharded_value(destination: Any, slot: tuple[GroupViews, int]) -> Tensor | N
     if made is not None and made[0]() is destination and made[1] is current and made[2] == version:
         return made[3][index]
     values = slot_values(flat, views.layout)
+    group = weakref.ref(views)
+
+    def forget(ref: Any) -> None:  # the state dict is gone: so are its values
+        live = group()
+        if live is not None and live in _SHARDED and _SHARDED[live][0] is ref:
+            del _SHARDED[live]
+
     try:
-        ref: Any = weakref.ref(destination)
+        ref: Any = weakref.ref(destination, forget)
     except TypeError:  # a destination without weak references: made again for each slot
         return values[index]
     _SHARDED[views] = (ref, current, version, values)

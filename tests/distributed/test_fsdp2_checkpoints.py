@@ -181,6 +181,13 @@ def test_fsdp2_state_dict_moves_each_element_once_and_loads_without_gathering(ru
             assert torch.equal(result["flat, loaded"][key], value), key
 
 
+@pytest.mark.slow
+def test_fsdp2_state_dict_values_are_freed_with_the_state_dict(runs):
+    """The library keeps no reference to the values it made: dropping the state dict frees them."""
+    for result in runs["values"]:
+        assert result["plain, freed with its state dict"] and result["flat, freed with its state dict"]
+
+
 # ------------------------------------------------------------------------------ checkpoints
 
 
