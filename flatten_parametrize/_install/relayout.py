@@ -191,7 +191,8 @@ def reassign(module: nn.Module, state: ModuleState, attr: str, value: Tensor) ->
         return False  # the slot itself: a no-op (or the usual landing of its values)
     modules = dict(root.named_modules(remove_duplicate=False))
     names = surgery.live_names(core, target, modules)
-    qualified = next((n for n in names if n.rpartition(".")[2] == attr), target.name)
+    path = next((p for p, m in modules.items() if m is module), "")
+    qualified = f"{path}.{attr}" if path else attr
     if source is not None:
         tied = source
 
