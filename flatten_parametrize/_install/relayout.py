@@ -76,7 +76,11 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
     was_flat = core.is_flattened
     modules = dict(root.named_modules(remove_duplicate=False))
     plan = [
-        (group.name, group.flat, [n for slot in group.members for n in surgery.live_names(core, slot, modules)])
+        (
+            group.name,
+            group.flat,
+            [n for slot in group.members for n in surgery.live_names(core, slot, modules)],
+        )
         for group in core.groups()
     ]
     align = max((group.layout.align for group in core.groups()), default=1)
@@ -87,6 +91,8 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
         # Also when ``change`` raised: the model is flattened again as the operation left it,
         # as a plain model is left by a failed operation.
         new = _register_again(root, plan, align)
+        core.replaced_by = new
+        new.no_sync_depth = core.no_sync_depth
         new.facade = facade
         if facade is not None:
             facade._core = new
@@ -102,7 +108,9 @@ def check_relayout(core: StorageCore, what: str) -> None:
             "storage; leave the using() block first"
         )
     if core.pending is not None:
-        raise RuntimeError(f"cannot run {what} while load_state_dict stages values; let the load finish first")
+        raise RuntimeError(
+            f"cannot run {what} while load_state_dict stages values; let the load finish first"
+        )
     features = sorted({type(f).__name__.lstrip("_") for f in core.features})
     if features:
         raise RuntimeError(
@@ -113,8 +121,10 @@ def check_relayout(core: StorageCore, what: str) -> None:
         )
 
 
-def _register_again(root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int) -> StorageCore:
-    """Register the groups of ``plan`` (group name, flat parameter, names) over ``root``'s current parameters."""
+def _register_again(
+    root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int
+) -> StorageCore:
+    """Register the groups of ``plan`` (name, flat parameter, member names) over ``root``'s parameters."""
     seen: set[int] = set()
     groups: dict[str, list[nn.Parameter]] = {}
     for name, _, names in plan:
@@ -137,27 +147,34 @@ def _register_again(root: nn.Module, plan: list[tuple[str, FlatParameter, list[s
 
 # ------------------------------------------------------------ the injected methods
 def get_parameter(self: nn.Module, target: str) -> Any:
-    """Return the parameter ``target``; a flattened name gives what its attribute serves (flat mode: the view)."""
+    """Return parameter ``target``; a flattened name gives what its attribute serves (flat mode: the view)."""
     path, _, attr = target.rpartition(".")
     owner = self.get_submodule(path)
     state = owner.__dict__.get(MODULE_STATE_ATTR)
     if isinstance(state, ModuleState) and attr in state.slots and attr not in owner._parameters:
         return getattr(owner, attr)
-    return base_of(self).get_parameter(self, target)
+    base: Any = base_of(self)
+    return base.get_parameter(self, target)
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
     state = self.__dict__.get(MODULE_STATE_ATTR)
-    if state is not None and isinstance(value, Tensor) and name in state.slots and reassign(self, state, name, value):
+    if (
+        state is not None
+        and isinstance(value, Tensor)
+        and name in state.slots
+        and reassign(self, state, name, value)
+    ):
         return
-    base_of(self).__setattr__(self, name, value)
+    base: Any = base_of(self)
+    base.__setattr__(self, name, value)
 
 
 def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Run transformers' ``resize_token_embeddings`` on the plain model, then lay the storage out again."""
     base = base_of(self).resize_token_embeddings  # type: ignore[attr-defined]
     state = self.__dict__.get(MODULE_STATE_ATTR)
-    core = registered_storage(self) or (state.storage if isinstance(state, ModuleState) else None)
+    core: Any = registered_storage(self) or (state.storage if isinstance(state, ModuleState) else None)
     new_num_tokens = args[0] if args else kwargs.get("new_num_tokens")
     multiple = args[1] if len(args) > 1 else kwargs.get("pad_to_multiple_of")
     if core is None or (new_num_tokens is None and multiple is None):  # changes nothing

@@ -313,7 +313,7 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
             namespace = {
                 k: v
                 for k, v in type(owner).__dict__.items()
-                if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in METHODS and k not in WHERE_DEFINED
+                if k not in ("__dict__", "__weakref__", *state.slots, *METHODS, *WHERE_DEFINED)
             }
             tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
             return

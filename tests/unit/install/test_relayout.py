@@ -43,7 +43,7 @@ def _numel(model: nn.Module) -> int:
 
 
 def test_get_parameter_gives_the_view_that_the_attribute_serves():
-    """get_parameter of a flattened name is the attribute's view (flat mode), the real parameter unflattened."""
+    """get_parameter of a flattened name: the attribute's view (flat mode), the real parameter unflattened."""
     _, flat = _pair()
     storage = get_flat_storage(flat)
     assert flat.get_parameter("head.weight") is flat.head.weight
@@ -58,7 +58,7 @@ def test_get_parameter_gives_the_view_that_the_attribute_serves():
 
 
 def test_assigning_a_new_parameter_to_one_tied_name_unties_as_the_plain_model():
-    """head.weight = Parameter(new) on a tied slot: the embedding keeps the old weight, as on the plain model."""
+    """head.weight = Parameter(new) on a tied slot: the embedding keeps the old weight, as on a plain one."""
     plain, flat = _pair()
     storage = get_flat_storage(flat)
     flat_param = storage["0"]
@@ -77,7 +77,7 @@ def test_assigning_a_new_parameter_to_one_tied_name_unties_as_the_plain_model():
 
 
 def test_assigning_another_slots_view_ties_as_the_plain_model():
-    """a.weight = b.weight in flat mode (b.weight a view of another slot) ties the two names, no dead space."""
+    """a.weight = b.weight in flat mode (b.weight a view of another slot) ties the names, no dead space."""
     plain, flat = _pair()
     plain.head.weight = nn.Parameter(torch.ones(5, 4))
     flat.head.weight = nn.Parameter(torch.ones(5, 4))
@@ -146,7 +146,9 @@ def test_a_tie_change_with_a_parameter_of_another_dtype_is_refused_and_changes_n
     """Untying with a float64 parameter would put it into a float32 group: RuntimeError, nothing changed."""
     _, flat = _pair()
     snap = snapshot(flat)
-    with pytest.raises(RuntimeError, match=r"cannot set head\.weight to a parameter of torch\.float64 .*nothing was changed"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot set head\.weight to a parameter of torch\.float64 .*nothing was changed"
+    ):
         flat.head.weight = nn.Parameter(torch.zeros(5, 4, dtype=torch.float64))
     assert_unchanged(flat, snap)
 
@@ -175,7 +177,9 @@ def test_a_tie_change_while_a_feature_holds_the_layout_is_refused(tmp_path):
     storage = get_flat_storage(flat)
     storage.offload_to_disk(tmp_path)
     snap = snapshot(flat)
-    with pytest.raises(RuntimeError, match=r"cannot run untying head\.weight on a flattened module while DiskOffload"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot run untying head\.weight on a flattened module while DiskOffload"
+    ):
         flat.head.weight = nn.Parameter(torch.zeros(5, 4))
     assert_unchanged(flat, snap)
 
