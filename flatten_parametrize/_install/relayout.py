@@ -158,14 +158,10 @@ def get_parameter(self: nn.Module, target: str) -> Any:
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:
-    state = self.__dict__.get(MODULE_STATE_ATTR)
-    if (
-        state is not None
-        and isinstance(value, Tensor)
-        and name in state.slots
-        and reassign(self, state, name, value)
-    ):
-        return
+    if isinstance(value, Tensor):  # anything else (flags, modules) goes straight to nn.Module
+        state = self.__dict__.get(MODULE_STATE_ATTR)
+        if state is not None and name in state.slots and reassign(self, state, name, value):
+            return
     base: Any = base_of(self)
     base.__setattr__(self, name, value)
 
