@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
-from ._core.flat_parameter import FlatParameter
-from ._core.layout import plan_group
 from ._core.names import registered_storage
-from ._core.records import Slot
 from ._install.coordinator import StorageCore
 from ._install.grouping import GroupsArg, bucket_groups, resolve_groups
-from ._install.lifecycle import install_storage, remove_storage
+from ._install.lifecycle import build_storage, remove_storage
 from ._install.reuse import check_same_layout
-from ._install.surgery import zero_padding
 from ._install.wrappers import registration_target, strip_prefix
 from ._storage import FlatStorage, facade_of
 
@@ -138,32 +133,7 @@ def register_flat_storage(
     specs = strip_prefix(resolve_groups(module, groups, target=target, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
         specs = bucket_groups(target, specs, bucket_cap_mb)
-    flats: list[FlatParameter] = []
-    layouts = []
-    slots: list[Slot] = []
-    for g, spec in enumerate(specs):
-        layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
-        first = spec.slots[0].param
-        data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
-        zero_padding(data, layout)
-        with torch.no_grad():
-            for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
-                data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
-        flats.append(
-            FlatParameter(
-                data,
-                requires_grad=first.requires_grad,
-                names=[s.name for s in spec.slots],
-                shapes=layout.shapes,
-                numels=layout.numels,
-                offsets=layout.offsets,
-            )
-        )
-        layouts.append(layout)
-        slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
-    core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
-    install_storage(core)
-    return facade_of(core)
+    return facade_of(build_storage(target, specs, align))
 
 
 def registered_core(module: nn.Module) -> StorageCore | None:

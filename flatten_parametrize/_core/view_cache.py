@@ -418,8 +418,9 @@ class GroupViews:
                     f"{self.flat_name} as shape {tuple(shape)}, {flat.dtype} on {flat.device}; "
                     f"got shape {tuple(value.shape)}, {value.dtype} on {value.device}; the value "
                     "was not written. Assign a tensor of the slot's shape, dtype and device (its "
-                    "values are copied into the flat buffer), or change shapes inside "
-                    "storage.unflattened() or after remove_flat_storage"
+                    "values are copied into the flat buffer), or change shapes on the plain model "
+                    "(remove_flat_storage, change, register_flat_storage again; transformers' "
+                    "resize_token_embeddings does this itself)"
                 )
             writes.append((index, value))
         if writes:

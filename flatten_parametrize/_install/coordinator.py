@@ -103,6 +103,8 @@ class StorageCore:
         self.features: list[Feature] = []
         #: The public ``FlatStorage`` handed out for this core (made by the public layer).
         self.facade: Any = None
+        #: The core that took this one's place when the groups were laid out again (``relayout.py``).
+        self.replaced_by: StorageCore | None = None
 
     # --------------------------------------------------------------- read API
     @property
@@ -368,7 +370,14 @@ class StorageCore:
             yield self
         finally:
             if was_flat:
-                self.flatten()
+                self.current().flatten()
+
+    def current(self) -> StorageCore:
+        """Return the core now registered in this one's place (itself, unless it was laid out again)."""
+        core = self
+        while core.replaced_by is not None:
+            core = core.replaced_by
+        return core
 
     @contextmanager
     def using(self, flat_tensors: FlatTensors) -> Iterator[None]:

@@ -9,11 +9,70 @@ pickling registers again through :func:`install_storage` (``pickling.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .._core.flat_parameter import FlatParameter, as_flat_parameter
+from .._core.layout import plan_group
+from .._core.records import Slot
 from .._core.transaction import Transaction, atomically
 from . import surgery
 from .coordinator import StorageCore
+from .grouping import GroupSpec
 
-__all__ = ["install_storage", "remove_storage"]
+__all__ = ["build_storage", "install_storage", "remove_storage"]
+
+
+def build_storage(
+    target: nn.Module,
+    specs: Sequence[GroupSpec],
+    align: int,
+    reuse: Mapping[str, FlatParameter] | None = None,
+) -> StorageCore:
+    """Lay out ``specs`` (checked groups of ``target``), copy the values in and install a new core.
+
+    ``reuse``: by group name, a flat parameter object to hold that group's new
+    buffer and layout instead of a new one (a storage laid out again keeps its
+    flat parameters, so that the optimizers that hold them keep them;
+    ``relayout.py``). Atomic: if installing raises, ``target`` is as before
+    (a reused flat parameter is left with the new buffer).
+    """
+    reuse = reuse or {}
+    flats: list[FlatParameter] = []
+    layouts = []
+    slots: list[Slot] = []
+    for g, spec in enumerate(specs):
+        layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
+        first = spec.slots[0].param
+        data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
+        surgery.zero_padding(data, layout)
+        with torch.no_grad():
+            for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
+                data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
+        names = [s.name for s in spec.slots]
+        kept = reuse.get(spec.name)
+        if kept is None:
+            flat = FlatParameter(
+                data,
+                requires_grad=first.requires_grad,
+                names=names,
+                shapes=layout.shapes,
+                numels=layout.numels,
+                offsets=layout.offsets,
+            )
+        else:
+            kept.grad = None  # the gradients are the members' (install gathers them)
+            kept.data = data
+            kept.requires_grad_(first.requires_grad)
+            flat = as_flat_parameter(kept, names, layout.shapes, layout.numels, layout.offsets)
+        flats.append(flat)
+        layouts.append(layout)
+        slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
+    core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
+    install_storage(core)
+    return core
 
 
 def install_storage(core: StorageCore) -> None:

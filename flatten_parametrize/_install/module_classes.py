@@ -189,8 +189,16 @@ METHODS: dict[str, Any] = {
 _SKIP = ("__dict__", "__weakref__")
 
 
-def contribute(name: str, method: Callable[..., Any]) -> None:
+#: Methods added to a new class only where its original class has an attribute of that name
+#: (a framework's model operation, e.g. transformers' ``resize_token_embeddings``: ``relayout.py``).
+WHERE_DEFINED: dict[str, Any] = {}
+
+
+def contribute(name: str, method: Callable[..., Any], *, where_defined: bool = False) -> None:
     """Add ``method`` to every class made from now on, as attribute ``name``.
+
+    With ``where_defined``, only to the classes whose original class has an
+    attribute ``name`` (so that ``hasattr`` answers as for the plain module).
 
     The modules that own a lifecycle of the injected classes contribute their
     method here when they are imported (``pickling.py``: ``__reduce_ex__``;
@@ -198,7 +206,7 @@ def contribute(name: str, method: Callable[..., Any]) -> None:
     themselves, so this module cannot import them. ``_install/__init__.py``
     imports both, so no class is made without them.
     """
-    METHODS[name] = method
+    (WHERE_DEFINED if where_defined else METHODS)[name] = method
 
 
 def make_class(module: nn.Module) -> type:
@@ -217,6 +225,7 @@ def make_class(module: nn.Module) -> type:
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         bases = (cls,)
     namespace.update(METHODS)
+    namespace.update({k: v for k, v in WHERE_DEFINED.items() if hasattr(cls, k)})
     return type(cls.__name__, bases, namespace)
 
 

@@ -27,7 +27,7 @@ from .._core.parametrize_interop import HiddenParametrizations, register_view
 from .._core.records import Coordinator, Group, ModuleState, Slot
 from .._core.transaction import Transaction
 from .._core.view_cache import end_trace_split, same_memory, trace_split
-from .module_classes import METHODS, add_property, make_class
+from .module_classes import METHODS, WHERE_DEFINED, add_property, make_class
 
 __all__ = [
     "flatten_module",
@@ -313,7 +313,7 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
             namespace = {
                 k: v
                 for k, v in type(owner).__dict__.items()
-                if k not in ("__dict__", "__weakref__") and k not in state.slots and k not in METHODS
+                if k not in ("__dict__", "__weakref__", *state.slots, *METHODS, *WHERE_DEFINED)
             }
             tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
             return

@@ -1,0 +1,256 @@
+"""Model operations that change shapes or ties: run on the plain model, then the groups laid out again.
+
+Frameworks change models in ways that a fixed layout cannot hold:
+transformers' ``resize_token_embeddings`` gives the embedding (and an untied
+head) more or fewer rows; ``tie_weights`` ties the head to the embedding that
+``set_input_embeddings`` put in; assigning a new ``nn.Parameter`` to one name of
+a tied pair unties it on a plain model. Each of them runs here on the plain
+model (:func:`relayout`): the storage is removed (every name an ordinary
+parameter again, ties as they were), the operation runs, and the same groups,
+by the same names, are registered again with the same alignment. The new
+layout has no dead space (``num_parameters()`` is the plain model's); the
+``FlatParameter`` objects (holding the new buffers and layouts), the
+``FlatStorage`` the user holds and the mode (flat or unflattened) stay.
+
+What the injected classes get from here (``module_classes.contribute``):
+
+* ``get_parameter``: a flattened name gives what the attribute serves (the
+  slot's view, in flat mode), not an ``AttributeError``; transformers'
+  ``get_parameter_or_buffer`` and ``tie_weights`` use it.
+* ``__setattr__``: assigning to a flattened name (flat mode) a tensor that is
+  another slot (its view or its original parameter), an ordinary parameter of
+  the model, or a new parameter in place of one name of a tied slot changes the
+  ties as on the plain model, through :func:`relayout`. Anything else is the
+  library's usual write path (``_core/writes.py``, ``_core/attribute.py``).
+* ``resize_token_embeddings`` (only where the original class has it):
+  the whole operation runs through :func:`relayout`.
+
+An operation is refused before anything changes inside ``using()``, while a
+load stages values, and while features hold the layout (gradient sync, disk
+offload, ``ShardedOptimizer``, ensembles): their state would not fit the new
+layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch import Tensor, nn
+
+from .._core.flat_parameter import FlatParameter
+from .._core.names import MODULE_STATE_ATTR, registered_storage
+from .._core.records import ModuleState, Slot
+from .._core.view_cache import same_memory
+from . import surgery
+from .coordinator import StorageCore
+from .grouping import resolve_groups
+from .lifecycle import build_storage, remove_storage
+from .module_classes import base_of, contribute
+
+__all__ = ["get_parameter", "reassign", "relayout", "resize_token_embeddings"]
+
+T = TypeVar("T")
+
+
+def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
+    """Run ``change`` on the plain model, then lay out the same groups again.
+
+    Args:
+        core: the storage to lay out again.
+        what: the operation, for error messages.
+        change: the operation; it sees the model as a plain one (ordinary
+            parameters, original classes).
+
+    Returns:
+        What ``change`` returns.
+
+    Raises:
+        RuntimeError: inside ``using()``, during a load, or while features
+            hold the layout (nothing changed).
+    """
+    check_relayout(core, what)
+    core.sync_writes()
+    root = core.module
+    facade = core.facade
+    was_flat = core.is_flattened
+    modules = dict(root.named_modules(remove_duplicate=False))
+    plan = [
+        (
+            group.name,
+            group.flat,
+            [n for slot in group.members for n in surgery.live_names(core, slot, modules)],
+        )
+        for group in core.groups()
+    ]
+    align = max((group.layout.align for group in core.groups()), default=1)
+    remove_storage(core)
+    try:
+        return change()
+    finally:
+        # Also when ``change`` raised: the model is flattened again as the operation left it,
+        # as a plain model is left by a failed operation.
+        new = _register_again(root, plan, align)
+        core.replaced_by = new
+        new.no_sync_depth = core.no_sync_depth
+        new.facade = facade
+        if facade is not None:
+            facade._core = new
+        if not was_flat:
+            new.unflatten()
+
+
+def check_relayout(core: StorageCore, what: str) -> None:
+    """Raise if ``core`` cannot be laid out again now (see :func:`relayout`)."""
+    if core.using_depth:
+        raise RuntimeError(
+            f"cannot run {what} inside storage.using(...): it changes the layout of the flat "
+            "storage; leave the using() block first"
+        )
+    if core.pending is not None:
+        raise RuntimeError(
+            f"cannot run {what} while load_state_dict stages values; let the load finish first"
+        )
+    features = sorted({type(f).__name__.lstrip("_") for f in core.features})
+    if features:
+        raise RuntimeError(
+            f"cannot run {what} on a flattened module while {', '.join(features)} hold(s) its "
+            "layout (gradient sync, disk offload, a ShardedOptimizer or stacked ensembles): their "
+            "state would not fit the new layout; run it before enabling them, or on the plain "
+            "model (remove_flat_storage(model), change it, register_flat_storage(model) again)"
+        )
+
+
+def _register_again(
+    root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int
+) -> StorageCore:
+    """Register the groups of ``plan`` (name, flat parameter, member names) over ``root``'s parameters."""
+    seen: set[int] = set()
+    groups: dict[str, list[nn.Parameter]] = {}
+    for name, _, names in plan:
+        params = []
+        for qualified in names:
+            try:
+                param = root.get_parameter(qualified)
+            except AttributeError:  # the operation deleted it (or set it to None)
+                continue
+            if id(param) not in seen:  # tied by the operation to a parameter of an earlier group
+                seen.add(id(param))
+                params.append(param)
+                if param.grad is not None and param.grad.shape != param.shape:
+                    param.grad = None  # resized: its old gradient has no place in the new layout
+        if params:
+            groups[name] = params
+    specs = resolve_groups(root, groups)
+    return build_storage(root, specs, align, reuse={name: flat for name, flat, _ in plan})
+
+
+# ------------------------------------------------------------ the injected methods
+def get_parameter(self: nn.Module, target: str) -> Any:
+    """Return parameter ``target``; a flattened name gives what its attribute serves (flat mode: the view)."""
+    path, _, attr = target.rpartition(".")
+    owner = self.get_submodule(path)
+    state = owner.__dict__.get(MODULE_STATE_ATTR)
+    if isinstance(state, ModuleState) and attr in state.slots and attr not in owner._parameters:
+        return getattr(owner, attr)
+    base: Any = base_of(self)
+    return base.get_parameter(self, target)
+
+
+def _setattr(self: nn.Module, name: str, value: Any) -> None:
+    if isinstance(value, Tensor):  # anything else (flags, modules) goes straight to nn.Module
+        state = self.__dict__.get(MODULE_STATE_ATTR)
+        if state is not None and name in state.slots and reassign(self, state, name, value):
+            return
+    base: Any = base_of(self)
+    base.__setattr__(self, name, value)
+
+
+def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run transformers' ``resize_token_embeddings`` on the plain model, then lay the storage out again."""
+    base = base_of(self).resize_token_embeddings  # type: ignore[attr-defined]
+    state = self.__dict__.get(MODULE_STATE_ATTR)
+    core: Any = registered_storage(self) or (state.storage if isinstance(state, ModuleState) else None)
+    new_num_tokens = args[0] if args else kwargs.get("new_num_tokens")
+    multiple = args[1] if len(args) > 1 else kwargs.get("pad_to_multiple_of")
+    if core is None or (new_num_tokens is None and multiple is None):  # changes nothing
+        return base(self, *args, **kwargs)
+    return relayout(core, "resize_token_embeddings", lambda: base(self, *args, **kwargs))
+
+
+def reassign(module: nn.Module, state: ModuleState, attr: str, value: Tensor) -> bool:
+    """Change the ties as on the plain model when ``module.<attr> = value`` asks for it (flat mode).
+
+    Returns ``False`` (nothing done) unless ``value`` is another slot (its view
+    or its original parameter), an ordinary parameter of the model, or a new
+    ``nn.Parameter`` for one name of a tied slot; then the assignment runs on the
+    plain model and the storage is laid out again (:func:`relayout`).
+
+    Raises:
+        RuntimeError: for a parameter whose dtype, device or ``requires_grad``
+            differs from the slot's group, or as :func:`check_relayout` (nothing changed).
+    """
+    core = state.storage
+    if not core.is_flattened or core.pending is not None or core.using_depth:
+        return False
+    root = core.module_unchecked
+    if registered_storage(root) is not core or not isinstance(core, StorageCore):
+        return False
+    views, index = state.slots[attr]
+    group = next(g for g in core.groups() if g.views is views)
+    target = group.members[[s.index for s in group.members].index(index)]
+    source = _slot_holding(core, value)
+    if source is target:
+        return False  # the slot itself: a no-op (or the usual landing of its values)
+    modules = dict(root.named_modules(remove_duplicate=False))
+    names = surgery.live_names(core, target, modules)
+    path = next((p for p, m in modules.items() if m is module), "")
+    qualified = f"{path}.{attr}" if path else attr
+    if source is not None:
+        tied = source
+
+        def tie() -> None:
+            module.register_parameter(attr, tied.param)  # plain now: the slot's own parameter
+
+        relayout(core, f"tying {qualified} to {source.name}", tie)
+        return True
+    if not isinstance(value, nn.Parameter) or isinstance(value, FlatParameter):
+        return False
+    ordinary = any(p is value for p in root.parameters())
+    if not ordinary and len(names) < 2:
+        return False  # a new parameter for an untied slot: its values land in the slot
+    flat = group.flat
+    found = (value.dtype, value.device, value.requires_grad)
+    if found != (flat.dtype, flat.device, flat.requires_grad):
+        raise RuntimeError(
+            f"cannot set {qualified} to a parameter of {found[0]} on {found[1]} with "
+            f"requires_grad={found[2]}: its group '{group.name}' holds {flat.dtype} on "
+            f"{flat.device} with requires_grad={flat.requires_grad}; nothing was changed. Convert "
+            "the parameter first, or change it on the plain model (inside storage.unflattened(), "
+            "or after remove_flat_storage)"
+        )
+    how = "tying" if ordinary else "untying"
+
+    def assign() -> None:
+        module.register_parameter(attr, value)
+
+    relayout(core, f"{how} {qualified}", assign)
+    return True
+
+
+def _slot_holding(core: StorageCore, value: Tensor) -> Slot | None:
+    """Return the slot that ``value`` is (its original parameter, or a view of it), or ``None``."""
+    for group in core.groups():
+        values = group.value_views()
+        for slot in group.members:
+            if value is slot.param or (values[slot.index].numel() and same_memory(value, values[slot.index])):
+                return slot
+            served = group.views.view(slot.index)
+            if value is served:
+                return slot
+    return None
+
+
+contribute("get_parameter", get_parameter)
+contribute("__setattr__", _setattr)
+contribute("resize_token_embeddings", resize_token_embeddings, where_defined=True)
