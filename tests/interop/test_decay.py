@@ -58,11 +58,14 @@ def test_trainer_with_weight_decay_trains_like_the_plain_model(tmp_path: Path):
     model = twin(plain)
     register_flat_storage(model, weight_decay_groups(model))
     logged = []
-    for m, out in ((model, tmp_path / "flat"), (plain, tmp_path / "plain")):
-        args = training_args(out, weight_decay=0.1, max_grad_norm=0.0)
-        trainer = Trainer(model=m, args=args, train_dataset=lm_dataset())
-        trainer.train()
-        logged.append(losses(trainer))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for m, out in ((model, tmp_path / "flat"), (plain, tmp_path / "plain")):
+            args = training_args(out, weight_decay=0.1, max_grad_norm=0.0)
+            trainer = Trainer(model=m, args=args, train_dataset=lm_dataset())
+            trainer.train()
+            logged.append(losses(trainer))
+    assert decay_warnings(record) == []
     assert len(logged[0]) == 5 and logged[0] == logged[1]
     assert_same_values(model, plain)
 
