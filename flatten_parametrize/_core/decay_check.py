@@ -74,9 +74,9 @@ class _Hook:
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         key = id(optimizer)
-        groups = optimizer.param_groups
-        if _checked.get(key) == len(groups):
-            return
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list) or _checked.get(key) == len(groups):
+            return  # it runs for every optimizer in the process: never in a step's way
         if key not in _checked:
             weakref.finalize(optimizer, _forget, key)  # an id is reused only after its object is gone
         _checked[key] = len(groups)
@@ -137,7 +137,7 @@ def _mismatch(groups: list[dict[str, Any]], flat_type: type[torch.Tensor]) -> st
         return None  # uniform decay (or none): every rule gives the plain model's math
     flats: dict[bool, list[tuple[int, Any]]] = {True: [], False: []}
     for index, group in enumerate(groups):
-        for param in group["params"]:
+        for param in group.get("params", ()):
             if isinstance(param, flat_type) and param.requires_grad:
                 flats[_decay(group) > 0].append((index, param))
     wd = _decay(groups[decaying[0]])
