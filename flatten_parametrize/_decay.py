@@ -92,6 +92,13 @@ def weight_decay_groups(module: nn.Module, *, no_decay: NoDecayRule = None) -> d
             (``name`` is the first qualified name of a tied parameter), or a
             ``fnmatch`` glob or iterable of globs matched against every
             qualified name of the parameter (e.g. ``["*.bias", "*norm*"]``).
+            Rules by dimension are callables on the plain parameters:
+            nanoGPT's ``lambda name, p: p.dim() < 2``, timm's ``lambda name,
+            p: p.ndim <= 1 or name.endswith(".bias")``; build the optimizer's
+            param groups from the group names then (``storage["decay"]``,
+            ``storage["no_decay_bias"]``), since such a rule applied to the
+            flattened model sees only one-dimensional flat parameters (the
+            library warns before the first step of an optimizer built so).
 
     Returns:
         A dict ``group name -> parameters`` in module order, for the ``groups``

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .decay_check import watch_optimizers
+
 __all__ = ["FlatParameter", "serve"]
 
 #: torch's own descriptors of ``Tensor.data`` and ``Tensor.grad``, which the properties below extend.
@@ -95,6 +97,7 @@ class FlatParameter(nn.Parameter):
             data = data.detach()
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self._set_layout(names, shapes, numels, offsets)
+        watch_optimizers(FlatParameter)  # decay rules by p.dim() or name: warn before a step that differs
         return self
 
     def _set_layout(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,10 +11,17 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from flatten_parametrize import register_flat_storage, weight_decay_groups
+from flatten_parametrize import (
+    FlatParameter,
+    FlatStorage,
+    ShardedOptimizer,
+    register_flat_storage,
+    weight_decay_groups,
+)
+from flatten_parametrize._core import decay_check
 
-from _helpers import assert_same_values, twin
-from _hf import gpt2, lm_dataset, losses, training_args
+from _helpers import assert_same_values, train_steps, twin
+from _hf import gpt2, lm_dataset, lm_loss, losses, tokens, training_args
 
 
 def _names(model: nn.Module, groups: dict[str, list[nn.Parameter]]) -> dict[str, list[str]]:
@@ -49,11 +58,14 @@ def test_trainer_with_weight_decay_trains_like_the_plain_model(tmp_path: Path):
     model = twin(plain)
     register_flat_storage(model, weight_decay_groups(model))
     logged = []
-    for m, out in ((model, tmp_path / "flat"), (plain, tmp_path / "plain")):
-        args = training_args(out, weight_decay=0.1, max_grad_norm=0.0)
-        trainer = Trainer(model=m, args=args, train_dataset=lm_dataset())
-        trainer.train()
-        logged.append(losses(trainer))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for m, out in ((model, tmp_path / "flat"), (plain, tmp_path / "plain")):
+            args = training_args(out, weight_decay=0.1, max_grad_norm=0.0)
+            trainer = Trainer(model=m, args=args, train_dataset=lm_dataset())
+            trainer.train()
+            logged.append(losses(trainer))
+    assert decay_warnings(record) == []
     assert len(logged[0]) == 5 and logged[0] == logged[1]
     assert_same_values(model, plain)
 
@@ -127,3 +139,216 @@ def test_a_non_module_is_a_type_error():
     """The module argument must be an nn.Module."""
     with pytest.raises(TypeError, match=r"needs an nn\.Module; got list"):
         weight_decay_groups([])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------- rules that cannot see inside a flat parameter
+
+_DIM_RULE = r"weight decay: a rule by p\.dim\(\)"
+_NAME_RULE = r"weight decay: a rule by parameter name"
+
+
+def nanogpt_optimizer(model: nn.Module, weight_decay: float, learning_rate: float) -> torch.optim.AdamW:
+    """nanoGPT's ``GPT.configure_optimizers`` (karpathy/nanoGPT model.py) without prints and fused path."""
+    param_dict = {pn: p for pn, p in model.named_parameters()}
+    param_dict = {pn: p for pn, p in param_dict.items() if p.requires_grad}
+    decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+    optim_groups = [
+        {"params": decay_params, "weight_decay": weight_decay},
+        {"params": nodecay_params, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=(0.9, 0.95))
+
+
+def timm_param_groups(model: nn.Module, weight_decay: float = 1e-5) -> list[dict[str, object]]:
+    """Mirrors timm's ``timm.optim.param_groups_weight_decay`` (what ``create_optimizer_v2(model,
+    weight_decay=...)`` uses); timm itself cannot be installed next to the CPU build of torch."""
+    decay = []
+    no_decay = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim <= 1 or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def by_group_name(storage: FlatStorage, weight_decay: float) -> list[dict[str, object]]:
+    """The recipe: param groups built by the names weight_decay_groups gives."""
+    return [
+        {"params": [storage["decay"]], "weight_decay": weight_decay},
+        {"params": [storage["no_decay_bias"]], "weight_decay": 0.0},
+    ]
+
+
+def decayed(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Plain name -> numel of every tensor that ``optimizer`` decays (flat parameters by their slots)."""
+    out: dict[str, int] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        if group["weight_decay"] > 0:
+            for p in group["params"]:
+                if isinstance(p, FlatParameter):
+                    slot_names, _, numels = p.metadata()
+                    out.update(zip(slot_names, numels))
+                else:
+                    out[names[id(p)]] = p.numel()
+    return out
+
+
+def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 1) -> list[float]:
+    torch.manual_seed(1)
+    return train_steps(model, optimizer, [tokens() for _ in range(steps)], lm_loss)
+
+
+def decay_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("weight decay:")]
+
+
+@pytest.mark.parametrize("groups", ["none", "weight_decay_groups"])
+def test_nanogpt_rule_on_a_flattened_model_decays_nothing_and_warns(groups: str):
+    """nanoGPT's p.dim() >= 2 puts every (1-D) flat parameter on the no-decay side: warned before step 1."""
+    plain = gpt2()
+    model = twin(plain)
+    register_flat_storage(model, weight_decay_groups(model) if groups != "none" else None)
+    assert decayed(model, nanogpt_optimizer(model, 0.1, 1e-3)) == {}
+    assert sum(decayed(plain, nanogpt_optimizer(plain, 0.1, 1e-3)).values()) > 0
+    optimizer = nanogpt_optimizer(model, 0.1, 1e-3)
+    where = r".*'transformer\.wte\.weight' \(64, 16\).*weight_decay_groups"
+    with pytest.warns(UserWarning, match=_DIM_RULE + where):
+        one_step(model, optimizer)
+
+
+def test_timm_rule_on_a_flattened_model_warns():
+    """timm's ndim <= 1 or .bias (param_groups_weight_decay) decays nothing of a flattened model: warned."""
+    model = gpt2()
+    storage = register_flat_storage(model, weight_decay_groups(model))
+    optimizer = torch.optim.AdamW(timm_param_groups(model, 0.05), lr=1e-3)
+    assert decayed(model, optimizer) == {}
+    with pytest.warns(UserWarning, match=_DIM_RULE + r".*create_optimizer_v2"):
+        one_step(model, optimizer)
+    assert storage["decay"].numel() > 0
+
+
+def test_transformers_rule_with_groups_none_warns(tmp_path: Path):
+    """Trainer's name rule decays flat_param_0 whole (biases and norms included): warned before step 1."""
+    model = gpt2()
+    register_flat_storage(model)
+    trainer = Trainer(model=model, args=training_args(tmp_path, weight_decay=0.1))
+    optimizer = trainer.create_optimizer()
+    assert "transformer.h.0.ln_1.weight" in decayed(model, optimizer)
+    with pytest.warns(UserWarning, match=_NAME_RULE + r".*'transformer\.h\.0\.ln_1\.weight' \(16,\)"):
+        one_step(model, optimizer)
+
+
+def test_transformers_rule_with_weight_decay_groups_decays_the_plain_models_tensors_without_warning(
+    tmp_path: Path,
+):
+    """With weight_decay_groups, Trainer's groups decay exactly the plain model's tensors; nothing warns."""
+    plain = gpt2()
+    model = twin(plain)
+    register_flat_storage(model, weight_decay_groups(model))
+    flat_opt = Trainer(model=model, args=training_args(tmp_path, weight_decay=0.1)).create_optimizer()
+    plain_opt = Trainer(model=plain, args=training_args(tmp_path, weight_decay=0.1)).create_optimizer()
+    assert decayed(model, flat_opt) == decayed(plain, plain_opt)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert one_step(model, flat_opt, 3) == one_step(plain, plain_opt, 3)
+    assert decay_warnings(record) == []
+    assert_same_values(model, plain)
+
+
+@pytest.mark.parametrize("rule", ["nanogpt", "timm"])
+def test_dim_rule_recipe_decays_the_plain_models_tensors_and_trains_like_it(rule: str):
+    """weight_decay_groups(no_decay=<dim rule>) + groups by name: the plain model's decay, losses, weights."""
+    plain = gpt2()
+    model = twin(plain)
+    if rule == "nanogpt":
+        no_decay = lambda name, p: p.dim() < 2  # noqa: E731
+        plain_opt = nanogpt_optimizer(plain, 0.1, 1e-3)
+    else:
+        no_decay = lambda name, p: p.ndim <= 1 or name.endswith(".bias")  # noqa: E731
+        plain_opt = torch.optim.AdamW(timm_param_groups(plain, 0.1), lr=1e-3, betas=(0.9, 0.95))
+    storage = register_flat_storage(model, weight_decay_groups(model, no_decay=no_decay))
+    flat_opt = torch.optim.AdamW(by_group_name(storage, 0.1), lr=1e-3, betas=(0.9, 0.95))
+    assert decayed(model, flat_opt) == decayed(plain, plain_opt)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert one_step(model, flat_opt, 3) == one_step(plain, plain_opt, 3)
+    assert decay_warnings(record) == []
+    assert_same_values(model, plain)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-3),
+        lambda m: torch.optim.AdamW(
+            [{"params": [], "weight_decay": 0.1}, {"params": list(m.parameters())}], lr=1e-3
+        ),
+    ],
+    ids=["uniform-decay", "no-decay", "empty-decay-group-and-default-decay"],
+)
+def test_uniform_decay_does_not_warn(make: Callable[[nn.Module], torch.optim.Optimizer]):
+    """One decay for every parameter is the plain model's math under any rule: no warning."""
+    model = gpt2()
+    register_flat_storage(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        one_step(model, make(model))
+    assert decay_warnings(record) == []
+
+
+def test_an_optimizer_without_flat_parameters_does_not_warn():
+    """nanoGPT's rule on the plain model (flat parameters elsewhere in the process) warns nothing."""
+    register_flat_storage(gpt2())
+    plain = gpt2()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        one_step(plain, nanogpt_optimizer(plain, 0.1, 1e-3))
+    assert decay_warnings(record) == []
+
+
+def test_the_check_warns_once_and_runs_once_per_optimizer(monkeypatch: pytest.MonkeyPatch):
+    """Later steps neither warn again nor look at the groups again, until the groups change."""
+    model = gpt2()
+    storage = register_flat_storage(model, weight_decay_groups(model))
+    calls: list[int] = []
+    original = decay_check._mismatch
+
+    def counted(groups: list[dict[str, object]], flat_type: type) -> str | None:
+        calls.append(len(groups))
+        return original(groups, flat_type)
+
+    monkeypatch.setattr(decay_check, "_mismatch", counted)
+    optimizer = torch.optim.AdamW(
+        [{"params": [storage["decay"], storage["no_decay_bias"]], "weight_decay": 0.1}], lr=1e-3
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        one_step(model, optimizer, 3)
+        assert calls == [1] and decay_warnings(record) == []  # uniform so far
+        optimizer.add_param_group({"params": [], "weight_decay": 0.0})
+        one_step(model, optimizer, 3)
+    assert calls == [1, 2] and len(decay_warnings(record)) == 1
+    assert "param groups [1] do not decay but hold no flat parameter" in decay_warnings(record)[0]
+
+
+def test_attached_and_sharded_optimizers_are_checked(world1: None):
+    """An attached optimizer and a ShardedOptimizer with nanoGPT's groups warn as a plain one does."""
+    model = gpt2()
+    storage = register_flat_storage(model)
+    attached = nanogpt_optimizer(model, 0.1, 1e-3)
+    storage.attach_optimizer(attached)
+    with pytest.warns(UserWarning, match=_DIM_RULE):
+        one_step(model, attached)
+    model = gpt2()
+    storage = register_flat_storage(model)
+    groups = [{"params": [], "weight_decay": 0.1}, {"params": [storage["0"]], "weight_decay": 0.0}]
+    sharded = ShardedOptimizer(storage, torch.optim.AdamW, groups, lr=1e-3)
+    with pytest.warns(UserWarning, match=_DIM_RULE) as record:
+        one_step(model, sharded)
+    assert len(decay_warnings(list(record))) == 1  # the outer optimizer; the inner one holds slices
