@@ -41,6 +41,6 @@ def never_traced(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def in_compiled_module_call() -> bool:
-    """Return whether this eager frame runs inside a call of ``torch.compile(module)`` (an ``OptimizedModule``)."""
+    """Return whether this eager frame runs inside a call of ``torch.compile(module)``."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
     return eval_frame is not None and bool(eval_frame._is_in_optimized_module())

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter
 
-__all__ = ["is_foreign", "local_shard"]
+__all__ = ["is_foreign", "is_stale_batched", "local_shard"]
 
 
 def is_foreign(tensor: Any) -> bool:
@@ -26,6 +27,22 @@ def is_foreign(tensor: Any) -> bool:
     substitute. Neither is adopted as the group's flat parameter.
     """
     return isinstance(tensor, Tensor) and type(tensor) not in (nn.Parameter, FlatParameter)
+
+
+def is_stale_batched(tensor: Any) -> bool:
+    """Return whether ``tensor`` is a ``vmap`` batched tensor found outside any ``vmap``.
+
+    Code that swaps stacked weights into a module inside ``vmap`` and fails to
+    swap them back (tensordict's ``to_module`` exit can raise there) leaves
+    such a tensor in the flat parameter's place; it is unusable once ``vmap``
+    returned, so the flat parameter is put back.
+    """
+    functorch = torch._C._functorch
+    return (
+        isinstance(tensor, Tensor)
+        and functorch.is_batchedtensor(tensor)
+        and functorch.maybe_current_level() is None
+    )
 
 
 def local_shard(tensor: Tensor) -> tuple[Tensor, int] | None:

@@ -74,7 +74,7 @@ def _graph_breaks() -> int:
 
 
 def _compiled_training(model: nn.Module, make_opt, batch: torch.Tensor, *, whole_step: bool):
-    """Train 4 steps compiled (the step function, or ``torch.compile(model)``); return frames, breaks, losses."""
+    """Train 4 steps, the step or the model compiled; return frames, graph breaks, losses."""
     opt = make_opt(model.parameters())
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -120,7 +120,7 @@ def test_compiled_training_has_the_plain_models_frames_and_breaks(arch, optimize
 
 
 def test_a_compiled_user_module_takes_its_views_from_one_split_per_group():
-    """torch.compile of a user module (hooks run outside the compiled forward): no split per view in its graph."""
+    """torch.compile of a user module (hooks outside the compiled forward): no split per view."""
     torch.manual_seed(0)
     plain = TiedLM()
     model = copy.deepcopy(plain)
@@ -141,7 +141,7 @@ def test_a_compiled_user_module_takes_its_views_from_one_split_per_group():
 
 
 def test_a_data_write_lands_before_a_compiled_user_modules_forward():
-    """`layer.weight.data = t` before a call of torch.compile(model) is seen by that call, as on the plain model."""
+    """`layer.weight.data = t` before a call of torch.compile(model) is seen by that call."""
     torch.manual_seed(0)
     plain = TiedLM()
     model = copy.deepcopy(plain)
