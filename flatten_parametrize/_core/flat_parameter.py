@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .compiling import never_traced
 from .decay_check import watch_optimizers
 
 __all__ = ["FlatParameter", "serve"]
@@ -154,11 +155,17 @@ class FlatParameter(nn.Parameter):
         _BASE_DATA.__set__(self, value)
 
     @property
+    @never_traced
     def grad(self) -> torch.Tensor | None:
         """The flat gradient (as ``torch.Tensor.grad``), read after landing the views' ``.data`` writes."""
-        views = _served(self)
-        if views is not None and not _is_compiling():
-            views.sync()
+        # Never traced: dynamo would resolve ``_BASE_GRAD.__get__`` on a Parameter subclass to
+        # this property again (endless recursion), and a compiled frame that reads ``.grad``
+        # eagerly (graph inputs, the optimizers' ``_init_group``) would compile this getter
+        # as a frame of its own.
+        if not _is_compiling():
+            views = _served(self)
+            if views is not None:
+                views.sync()
         return _BASE_GRAD.__get__(self)
 
     @grad.setter

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter
 
-__all__ = ["detached_dtensor", "is_distributed", "is_foreign", "local_shard"]
+__all__ = ["detached_dtensor", "is_distributed", "is_foreign", "is_stale_batched", "local_shard"]
 
 
 def is_foreign(tensor: Any) -> bool:
@@ -64,6 +64,22 @@ def detached_dtensor(tensor: Any) -> Any:
         run_check=False,
         shape=tensor.shape,
         stride=tensor.stride(),
+    )
+
+
+def is_stale_batched(tensor: Any) -> bool:
+    """Return whether ``tensor`` is a ``vmap`` batched tensor found outside any ``vmap``.
+
+    Code that swaps stacked weights into a module inside ``vmap`` and fails to
+    swap them back (tensordict's ``to_module`` exit can raise there) leaves
+    such a tensor in the flat parameter's place; it is unusable once ``vmap``
+    returned, so the flat parameter is put back.
+    """
+    functorch = torch._C._functorch
+    return (
+        isinstance(tensor, Tensor)
+        and functorch.is_batchedtensor(tensor)
+        and functorch.maybe_current_level() is None
     )
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
+from .compiling import in_compiled_module_call, never_compiled
 from .flat_parameter import FlatParameter
 from .foreign import is_distributed
 from .grad import GradBuffer, _GroupSplit
@@ -519,6 +520,13 @@ def trace_split(module: nn.Module, args: Any) -> None:
     (``sync_writes(forward=True)``: an identity check per group for a replaced
     flat parameter, and a scan of the views only where a read switched cache
     entries since the last forward); the per-thread cache serves the views.
+
+    ``torch.compile(model)`` of a module that is not one of torch's runs the
+    hooks eagerly and compiles the forward as a frame of its own: there the
+    hook runs the eager check and splits each group once eagerly, and the
+    compiled forward takes every view from that split (as graph inputs). The
+    hooks' frames are never compiled on their own (``never_compiled``):
+    that would add a graph per call and compile the write check's helpers.
     """
     storage = registered_storage(module)
     if _is_compiling() or _tracing_a_module(module):
@@ -526,10 +534,17 @@ def trace_split(module: nn.Module, args: Any) -> None:
             group.views.trace(True)
     else:
         storage.sync_writes(forward=True)
+        if in_compiled_module_call():
+            for group in storage.groups():
+                group.views.trace(True)
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
-    if _is_compiling() or _tracing_a_module(module):
+    if _is_compiling() or _tracing_a_module(module) or in_compiled_module_call():
         for group in registered_storage(module).groups():
             group.views.trace(False)
+
+
+never_compiled(trace_split)
+never_compiled(end_trace_split)

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .._core.features import Feature
 from .._core.flat_parameter import FlatParameter
-from .._core.foreign import detached_dtensor, is_distributed, is_foreign
+from .._core.foreign import detached_dtensor, is_distributed, is_foreign, is_stale_batched
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -438,6 +438,9 @@ class StorageCore:
             for group in self._groups:
                 current = params.get(group.flat_name)
                 if current is group.flat:
+                    continue
+                if is_stale_batched(current):  # left by a vmap that failed to restore the module
+                    params[group.flat_name] = group.flat
                     continue
                 if is_foreign(current):  # functional_call's substitute, FSDP2's DTensor: left alone
                     continue

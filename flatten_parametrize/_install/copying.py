@@ -23,7 +23,7 @@ from torch import nn
 from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, registered_storage
 from .._core.records import ModuleState, Slot
 from .coordinator import StorageCore
-from .module_classes import base_of, clone_class, contribute
+from .module_classes import base_of, clone_class, contribute, is_shared
 from .pickling import copy_alone
 
 __all__: list[str] = []
@@ -53,8 +53,10 @@ def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
         for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
             if hasattr(self, slot):
                 setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
-    # The copy gets a class of its own, so that changing one never changes the other.
-    replica.__class__ = clone_class(type(self))
+    # The copy gets a class of its own, so that changing one never changes the other (a shared
+    # class holds only methods: the copy keeps it, and stays of the original's class).
+    if not is_shared(type(self)):
+        replica.__class__ = clone_class(type(self))
     if new_core is not None:
         assert core is not None
         _fill(new_core, core, replica, memo)
@@ -82,7 +84,11 @@ def _fill(new: StorageCore, old: StorageCore, root: nn.Module, memo: dict[int, A
     for module, state in old.members():
         if id(module) in memo:
             state_copy = copy.deepcopy(state, memo)
-            if state_copy.injected is not None and state_copy.injected is state.injected:
+            if (
+                state_copy.injected is not None
+                and state_copy.injected is state.injected
+                and not is_shared(state.injected)
+            ):
                 state_copy.injected = clone_class(state.injected)  # never share a class with the original
             if module in UNFLATTENED:
                 UNFLATTENED[memo[id(module)]] = state_copy

@@ -10,6 +10,7 @@ save/load, ``_apply``, ``__deepcopy__``). All of them read the module's own
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 from torch import Tensor, nn
@@ -23,9 +24,13 @@ from .._core.records import ModuleState
 from .._core.writes import check_flat_replacement, land_parameter
 from .._state.state_dict import alias_unflattened, load_atomically, load_module, save_module
 
-__all__ = ["METHODS", "add_property", "base_of", "clone_class", "contribute", "make_class"]
+__all__ = ["METHODS", "add_property", "base_of", "clone_class", "contribute", "is_shared", "make_class"]
 
 _MARKER = "_flat_parametrize_class"
+#: Marks a class that :func:`make_class` shares between the registered modules of one class.
+_SHARED_MARKER = "_flat_parametrize_shared"
+#: The shared class of each original class (see :func:`make_class`).
+_SHARED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
 def base_of(module: nn.Module) -> type:
@@ -209,14 +214,39 @@ def contribute(name: str, method: Callable[..., Any], *, where_defined: bool = F
     (WHERE_DEFINED if where_defined else METHODS)[name] = method
 
 
-def make_class(module: nn.Module) -> type:
-    """Return a new class for ``module``: its own class plus the library's methods.
+def make_class(module: nn.Module, *, shared: bool = False) -> type:
+    """Return a class for ``module``: its own class plus the library's methods.
 
     A module that ``torch.nn.utils.parametrize`` already gave a class keeps
     that class's properties (a copy of it is made, since ``copy.deepcopy``
     shares such classes between copies); ``__bases__[0]`` stays the original
     class, so ``type_before_parametrizations`` keeps working.
+
+    With ``shared=True`` (a registered module that gets no flattened attribute
+    of its own, hence no property, and has no parametrization) every module of
+    one class gets the same class: it holds only the library's methods, which
+    read each module's own state, so nothing in it differs between them; and
+    code that stacks models of one architecture (``torch.func.stack_module_state``)
+    requires ``type(a) is type(b)``. A class that gets properties is never
+    shared: a property added to it later (``register_parametrization``) would
+    reach every module of that class.
     """
+    cls = type(module)
+    if shared and not is_parametrized(module):
+        made = _SHARED.get(cls)
+        if made is None:
+            made = _SHARED[cls] = _new_class(module)
+            setattr(made, _SHARED_MARKER, True)
+        return made
+    return _new_class(module)
+
+
+def is_shared(cls: type) -> bool:
+    """Return whether ``cls`` is a class that :func:`make_class` shares (copies keep it)."""
+    return bool(cls.__dict__.get(_SHARED_MARKER, False))
+
+
+def _new_class(module: nn.Module) -> type:
     cls = type(module)
     if is_parametrized(module):
         namespace = {k: v for k, v in cls.__dict__.items() if k not in _SKIP}
@@ -237,4 +267,5 @@ def clone_class(cls: type) -> type:
 
 def add_property(cls: type, name: str) -> None:
     """Serve attribute ``name`` of instances of ``cls`` from the flat storage."""
+    assert not is_shared(cls), "a shared class holds no property"
     setattr(cls, name, make_property(name))

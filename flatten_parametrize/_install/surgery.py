@@ -196,11 +196,17 @@ def install(storage: Coordinator, tx: Transaction) -> None:
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
     owners: dict[int, nn.Module] = {id(root): root}
+    root_has_slots = False
     for slot in slots:
         for name in slot.all_names:
             owner, _ = locate(modules, name)
             owners.setdefault(id(owner), owner)
-    classes = {key: make_class(owner) for key, owner in owners.items()}
+            root_has_slots = root_has_slots or owner is root
+    # The registered module's class is shared by every registration of its class when it holds
+    # no property (models of one architecture stay of one class, for ensembling code).
+    classes = {
+        key: make_class(owner, shared=owner is root and not root_has_slots) for key, owner in owners.items()
+    }
     grads = _gather_grads(groups)
     for key, owner in owners.items():
         order = list(owner._parameters)

@@ -11,7 +11,7 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
-from flatten_parametrize import register_flat_storage
+from flatten_parametrize import get_flat_storage, register_flat_storage
 
 from _helpers import TiedLM, train_steps
 
@@ -67,6 +67,94 @@ def test_training_loop_recompiles_no_more_than_the_plain_model():
         _train(m, torch.compile(m, backend=counter))
         counts.append(counter.frame_count)
     assert counts[1] == counts[0] == 1
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _compiled_training(model: nn.Module, make_opt, batch: torch.Tensor, *, whole_step: bool):
+    """Train 4 steps, the step or the model compiled; return frames, graph breaks, losses."""
+    opt = make_opt(model.parameters())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = CompileCounter()
+    forward = model if whole_step else torch.compile(model, backend=counter)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = forward(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    run = torch.compile(step, backend=counter) if whole_step else step
+    losses = [run(batch).item() for _ in range(4)]
+    return counter.frame_count, _graph_breaks(), losses
+
+
+_OPTIMIZERS = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("whole_step", [True, False], ids=["compiled-step", "compiled-model"])
+@pytest.mark.parametrize("optimizer", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("arch", ["sequential", "user-module"])
+def test_compiled_training_has_the_plain_models_frames_and_breaks(arch, optimizer, whole_step):
+    """Forward, backward, step and zero_grad compiled: the plain model's frames and breaks, its results."""
+    torch.manual_seed(0)
+    plain = _mlp() if arch == "sequential" else TiedLM()
+    model = copy.deepcopy(plain)
+    register_flat_storage(model)
+    batch = torch.randn(6, 8) if arch == "sequential" else torch.randint(0, 11, (3, 4))
+    frames, breaks, losses = _compiled_training(model, _OPTIMIZERS[optimizer], batch, whole_step=whole_step)
+    plain_frames, plain_breaks, plain_losses = _compiled_training(
+        plain, _OPTIMIZERS[optimizer], batch, whole_step=whole_step
+    )
+    assert (frames, breaks) == (plain_frames, plain_breaks)
+    torch.testing.assert_close(losses, plain_losses, rtol=1e-5, atol=1e-5)
+    for (key, a), (_, b) in zip(model.state_dict().items(), plain.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_compiled_user_module_takes_its_views_from_one_split_per_group():
+    """torch.compile of a user module (hooks outside the compiled forward): no split per view."""
+    torch.manual_seed(0)
+    plain = TiedLM()
+    model = copy.deepcopy(plain)
+    register_flat_storage(model, {"a": ["embed.*", "norm.*"], "b": ["body.*"]})
+    codes: list[str] = []
+
+    def keep(gm, _inputs):
+        codes.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 11, (3, 4))
+    torch.compile(model, backend=keep)(tokens).pow(2).mean().backward()
+    plain(tokens).pow(2).mean().backward()
+    assert len(codes) == 1 and codes[0].count(".split(") <= 2
+    for name, grad in get_flat_storage(model).named_grads():
+        torch.testing.assert_close(grad, plain.get_parameter(name).grad, msg=name)
+
+
+def test_a_data_write_lands_before_a_compiled_user_modules_forward():
+    """`layer.weight.data = t` before a call of torch.compile(model) is seen by that call."""
+    torch.manual_seed(0)
+    plain = TiedLM()
+    model = copy.deepcopy(plain)
+    register_flat_storage(model)
+    tokens = torch.randint(0, 11, (3, 4))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    compiled(tokens)
+    new = torch.randn(6, 6)
+    model.body.weight.data = new.clone()
+    plain.body.weight.data = new.clone()
+    torch.testing.assert_close(compiled(tokens), plain(tokens))
+    torch.testing.assert_close(model.state_dict()["body.weight"], new)
 
 
 @pytest.fixture
