@@ -144,7 +144,7 @@ def _is_dtensor(value: Any) -> bool:
 
 
 def _full(value: Tensor) -> Tensor:
-    return value.full_tensor() if _is_dtensor(value) else value  # type: ignore[operator]
+    return value.full_tensor() if _is_dtensor(value) else value  # type: ignore[attr-defined]
 
 
 def _shard_like(full: Tensor, like: Any) -> Tensor:
@@ -252,7 +252,9 @@ def _to_flat(osd: Any, flats: list[_Flat], strict: bool) -> Any:
         for entry in found.values():
             keys += [k for k in entry if k not in keys]
         state[flat.fqn] = {
-            key: _flat_value(flat, key, [(m, found[m[0]][key]) for m in flat.members if key in found.get(m[0], {})])
+            key: _flat_value(
+                flat, key, [(m, found[m[0]][key]) for m in flat.members if key in found.get(m[0], {})]
+            )
             for key in keys
         }
     groups = []
@@ -260,12 +262,12 @@ def _to_flat(osd: Any, flats: list[_Flat], strict: bool) -> Any:
     for group in osd["param_groups"]:
         params: list[str] = []
         for fqn in group["params"]:
-            flat = owner.get(fqn)
-            if flat is None:
+            holder = owner.get(fqn)
+            if holder is None:
                 params.append(fqn)
-            elif flat.fqn not in placed:
-                placed.add(flat.fqn)
-                params.append(flat.fqn)
+            elif holder.fqn not in placed:
+                placed.add(holder.fqn)
+                params.append(holder.fqn)
         if params or not group["params"]:
             groups.append({**group, "params": params})
     return {"state": state, "param_groups": groups}
@@ -397,7 +399,9 @@ def _patch(dsd: ModuleType) -> None:
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Wrap DCP's ``state_dict`` module right after it is first imported (importing it costs ~0.7 s)."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != TARGET:
             return None
         sys.meta_path.remove(self)  # the real finders find it; only its loader's exec_module is wrapped
@@ -411,7 +415,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             _patch(module)
 
-        loader.exec_module = exec_and_patch  # type: ignore[union-attr]  # this spec's own loader
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign,union-attr]  # this spec's own
         return spec
 
 

@@ -343,8 +343,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for group in self.param_groups:
                     group["params"] = [flat if p is shard.flat else p for p in group["params"]]
                 shard.flat, changed = flat, True
-            if flat.data_ptr() != shard.ptr:
-                shard.bind()
+            if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
+                shard.bind()  # new memory, or values written into a padded slice's range (a load)
         if changed:
             self._hook()
 
@@ -552,6 +552,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if shard.shadow:
                     shard.param[shard.hi - shard.lo :].zero_()  # the padding stays zero
                 torch.autograd.graph.increment_version(shard.flat)
+                shard.version = shard.flat._version
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
