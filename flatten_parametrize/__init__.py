@@ -31,12 +31,16 @@ re-exported here). Dependencies run one way, downwards in this list, and
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
 from ._decay import weight_decay_groups
+from ._distributed.dcp import install as _install_dcp
 from ._distributed.sharded import ShardedOptimizer
 from ._state.attach_optim import OptimizerAttachment
 from ._state.optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
+
+# torch.distributed.checkpoint's state dicts see a flattened storage as the plain model (_distributed/dcp.py).
+_install_dcp()
 
 __all__ = [
     # entry points

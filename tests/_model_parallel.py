@@ -6,8 +6,9 @@ tests/_model_parallel.py OUTDIR``. For the plain and the flattened model (regist
 
 - ``"<form> 6"``: 6 steps, a distributed checkpoint after step 4 (``ModelCheckpoint``);
 - ``"<form> resumed"``: a new trainer resumed from that checkpoint to step 6;
-- ``"<form> full"``: what resuming from a single-file checkpoint
-  (``save_distributed_checkpoint=False``) does: ``None`` when it resumed, else the error.
+- ``"plain full"``: ``None`` once the plain model resumed from a single-file checkpoint
+  (``save_distributed_checkpoint=False``); the flattened model does not save one (Lightning re-keys its
+  optimizer state by ``named_parameters()`` on rank 0, which raises ``KeyError`` there alone).
 
 Each rank saves ``OUTDIR/result<rank>.pt``: the full tensors of ``model.state_dict()`` and the
 steps each run trained (global step, batch index).
@@ -95,13 +96,12 @@ def main(outdir: Path) -> None:
         ckpt = outdir / f"{form}-ckpt"
         result[f"{form} 6"] = _fit(flat, ckpt_dir=ckpt)
         result[f"{form} resumed"] = _fit(flat, resume=ckpt / "step.ckpt")
+        if flat:  # refused at the save, on rank 0 only (see test_engines.py): not run, or rank 1 would wait
+            continue
         full = outdir / f"{form}-full"
         _fit(flat, ckpt_dir=full, distributed=False)
-        try:
-            _fit(flat, resume=full / "step.ckpt")
-            result[f"{form} full"] = None
-        except KeyError as error:
-            result[f"{form} full"] = str(error)
+        _fit(flat, resume=full / "step.ckpt")
+        result[f"{form} full"] = None
     torch.save(result, outdir / f"result{os.environ['RANK']}.pt")
 
 

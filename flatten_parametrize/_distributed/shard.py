@@ -66,6 +66,8 @@ class Shard:
             else:
                 self.param.set_(flat.untyped_storage(), flat.storage_offset() + self.lo, (self.chunk,), (1,))
         self.ptr = flat.data_ptr()
+        #: The flat buffer's version the padded copy was taken at (in-place writes since: take it again).
+        self.version = flat._version
 
     def set_grad(self, values: Tensor, accumulate: bool) -> None:
         """Make ``values`` (this rank's gradient elements, padded or not) the slice's gradient."""

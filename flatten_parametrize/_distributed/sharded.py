@@ -89,7 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``param_groups`` holds the flat parameters with the inner optimizer's
     hyperparameters (LR schedulers change them there; :meth:`step` passes them
     on). ``state[flat]`` is this rank's slice of that flat parameter's state
-    and ``local_optimizer`` the inner optimizer over the slices. After
+    (empty until the first step, as in any torch optimizer) and
+    ``local_optimizer`` the inner optimizer over the slices. After
     backward a flat parameter's ``.grad`` is ``None`` with
     ``shard_gradients=True`` (and the storage keeps no reusable full-size
     gradient memory), the averaged gradient with ``False``. Flat parameters
@@ -275,10 +276,47 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._link_state()
 
     def _link_state(self) -> None:
-        """Make ``state[flat]`` this rank's slice state (the inner optimizer's own dict)."""
+        """Make ``state[flat]`` this rank's slice state (the inner optimizer's own dict), once it has any.
+
+        Like a torch optimizer's, ``state`` is empty until the first step (or
+        load): ``torch.distributed.checkpoint`` takes a non-empty ``state`` for
+        an initialized one.
+        """
         self.state.clear()
+        inner = self.local_optimizer.state
         for shard in self._shards:
-            self.state[shard.flat] = self.local_optimizer.state[shard.param]
+            if inner.get(shard.param):
+                self.state[shard.flat] = inner[shard.param]
+
+    def _init_state(self) -> None:
+        """Create this rank's state as a step with zero gradients and ``lr=0`` would, changing no weight.
+
+        What ``torch.distributed.checkpoint`` does to a fresh optimizer before
+        it loads one (``_init_optim_state``), for the inner optimizer over the
+        slices; a no-op once there is state or a slice has a gradient. No
+        collective.
+        """
+        inner = self.local_optimizer
+        if inner.state or any(s.param.grad is not None for s in self._shards):
+            return
+        for shard in self._shards:
+            shard.param.grad = torch.zeros_like(shard.param)
+        lrs = []
+        for group in inner.param_groups:
+            lrs.append(group.get("lr"))
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
+        try:
+            inner.step()
+        finally:
+            for group, lr in zip(inner.param_groups, lrs):
+                if lr is not None:
+                    group["lr"] = lr
+            inner.zero_grad(set_to_none=True)
+        for shard in self._shards:
+            if shard.shadow:
+                shard.bind()  # the padded copy holds the flat buffer's values again
+        self._link_state()
 
     def _follow(self, strict: bool) -> None:
         """Follow flat parameters that ``module.to()`` & co. replaced or moved to other memory.
@@ -305,8 +343,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for group in self.param_groups:
                     group["params"] = [flat if p is shard.flat else p for p in group["params"]]
                 shard.flat, changed = flat, True
-            if flat.data_ptr() != shard.ptr:
-                shard.bind()
+            if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
+                shard.bind()  # new memory, or values written into a padded slice's range (a load)
         if changed:
             self._hook()
 
@@ -481,6 +519,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner.update(hyperparameters(outer))
         self.local_optimizer.step()
         self._gather()
+        self._link_state()
         return loss
 
     def _gather(self) -> None:
@@ -513,6 +552,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if shard.shadow:
                     shard.param[shard.hi - shard.lo :].zero_()  # the padding stays zero
                 torch.autograd.graph.increment_version(shard.flat)
+                shard.version = shard.flat._version
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

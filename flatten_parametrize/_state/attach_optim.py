@@ -9,7 +9,8 @@ Lightning, Fabric, accelerate) moves freely between plain and flattened runs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +21,7 @@ from .optim import flat_optim_state_dict, plain_optim_state_dict
 if TYPE_CHECKING:
     from .._core.records import PublicStorage
 
-__all__ = ["OptimizerAttachment", "attach_optimizer"]
+__all__ = ["OptimizerAttachment", "attach_optimizer", "attachment_of", "own_format"]
 
 #: Attribute on an attached optimizer: its attachment.
 _ATTACHED = "_flat_storage_attachment"
@@ -55,6 +56,8 @@ class OptimizerAttachment:
             optimizer.register_state_dict_post_hook(self._to_plain),
             optimizer.register_load_state_dict_pre_hook(self._from_either),
         ]
+        #: Depth of :func:`own_format` blocks: ``state_dict()`` gives the flat format inside.
+        self._own_format_depth = 0
         setattr(optimizer, _ATTACHED, self)
 
     def remove(self) -> None:
@@ -76,6 +79,8 @@ class OptimizerAttachment:
 
     # ------------------------------------------------------------------ hooks
     def _to_plain(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._own_format_depth:
+            return state_dict
         flat_names = _flat_names(self.storage, optimizer)
         plain = plain_optim_state_dict(
             self.storage, state_dict, param_names=[n for names in flat_names for n in names]
@@ -193,6 +198,30 @@ def _reorder(
             new["param_names"] = list(own["param_names"])
         out_groups.append(new)
     return {"state": state, "param_groups": out_groups}
+
+
+def attachment_of(optimizer: Any) -> OptimizerAttachment | None:
+    """Return the attachment of ``optimizer`` (a torch optimizer), or ``None`` if it is not attached."""
+    found = getattr(optimizer, _ATTACHED, None)
+    return found if isinstance(found, OptimizerAttachment) else None
+
+
+@contextmanager
+def own_format(optimizer: Any) -> Iterator[None]:
+    """Inside the block, ``optimizer.state_dict()`` gives its own (flat) format even if it is attached.
+
+    For code that converts names itself (``_distributed/dcp.py``); a no-op for an
+    optimizer that is not attached.
+    """
+    attachment = attachment_of(optimizer)
+    if attachment is None:
+        yield
+        return
+    attachment._own_format_depth += 1
+    try:
+        yield
+    finally:
+        attachment._own_format_depth -= 1
 
 
 def attach_optimizer(storage: PublicStorage, optimizer: Any) -> OptimizerAttachment:

@@ -1,0 +1,430 @@
+"""``torch.distributed.checkpoint`` state dicts of flattened models, in the plain model's names.
+
+DCP's ``get_state_dict`` / ``set_state_dict`` (and ``get_/set_model_state_dict``,
+``get_/set_optimizer_state_dict``) find a model's parameters by walking
+``named_parameters()``, which on a flattened model yields the flat parameters:
+the model state loads by names its ``state_dict()`` does not have (``Missing
+key: flat_param_0`` under DDP), and optimizer state would be keyed
+``state.flat_param_0.exp_avg``, one tensor per group, so a checkpoint could
+not move between the plain and the flattened model.
+
+:func:`install` wraps five private functions of
+``torch.distributed.checkpoint.state_dict`` (when that module is imported,
+now or later) so that DCP sees a flattened storage as the plain model:
+
+* ``_iterate_valid_model_state``: the model's state as the plain model's
+  (each flattened name with its ``state_dict()`` value, in place of the flat
+  parameters), so loading re-prefixes and checks the plain names (DDP's
+  ``module.``, ``strict``, ``full_state_dict``);
+* ``_verify_options``: the flat parameters keep their own names in DCP's
+  parameter map, which its optimizer code looks up;
+* ``_get_optim_state_dict``: optimizer state of a flat parameter is split into
+  its members' (``state.<plain name>.exp_avg`` of the plain shape; scalars
+  such as ``step`` copied to each) and param groups list the plain names;
+  an attached optimizer is read in its own flat format first;
+* ``_load_optim_state_dict``: the reverse before torch loads it (members
+  joined into the flat tensor, padding zero);
+* ``_init_optim_state``: a ``ShardedOptimizer`` creates its slices' state
+  itself (torch's zero-gradient step cannot reach them).
+
+Values stay what DCP would have: plain tensors (views of the live state),
+or, under FSDP2, ``DTensor``\\ s sharded like the plain model's (``Shard(0)``
+of each member, gathered and re-cut from the flat one). Everything else
+(options, ``strict``, resharding, the flattened ``flatten_optimizer_state_dict``
+form) is torch's own code. Models without a flattened storage take torch's
+path unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .._core.names import flat_param_name, registered_storage
+from .._state.attach_optim import own_format
+from .sharded import ShardedOptimizer
+
+__all__ = ["install"]
+
+#: The module whose functions are wrapped.
+TARGET = "torch.distributed.checkpoint.state_dict"
+#: The functions wrapped (all or none).
+_WRAPPED = (
+    "_iterate_valid_model_state",
+    "_verify_options",
+    "_init_optim_state",
+    "_get_optim_state_dict",
+    "_load_optim_state_dict",
+)
+#: What the wrapped functions use besides.
+_USED = ("_get_fqns", "_flatten_optim_state_dict")
+#: Attribute marking a wrapped function (with the original as its value).
+_MARK = "__flatten_parametrize_original__"
+
+_raw = threading.local()  # depth of DCP calls that must see the flat names (our own, nested)
+
+
+@dataclass
+class _Flat:
+    """One flat parameter of a flattened storage inside the model DCP was given."""
+
+    #: DCP's name of the flat parameter (DDP's ``module.`` and compile's ``_orig_mod.`` dropped).
+    fqn: str
+    #: Its attribute on the registered module (``flat_param_<group>``).
+    attr: str
+    #: The flat parameter (under FSDP2, its ``DTensor``).
+    flat: Tensor
+    #: ``(DCP name, offset, numel, shape)`` of each member, in layout order.
+    members: list[tuple[str, int, int, torch.Size]]
+    #: The storage's core.
+    core: Any
+
+    @property
+    def numel(self) -> int:
+        return int(self.flat.shape[0])
+
+
+def _flats(dsd: ModuleType, model: nn.Module) -> list[_Flat]:
+    """Return every flat parameter of every flattened storage in ``model``."""
+    out: list[_Flat] = []
+    for prefix, module in model.named_modules():
+        core = registered_storage(module)
+        if core is None or not core.is_flattened:
+            continue
+        infos = core.param_infos
+        for group in core.groups():
+            attr = flat_param_name(group.name)
+            flat = module._parameters.get(attr)
+            if not isinstance(flat, Tensor):
+                continue
+            (fqn,) = dsd._get_fqns(model, f"{prefix}.{attr}" if prefix else attr)
+            base = fqn[: len(fqn) - len(attr)]
+            members = [
+                (base + info.name, info.offset, info.numel, torch.Size(info.shape))
+                for info in infos
+                if info.group == group.name
+            ]
+            out.append(_Flat(fqn, attr, flat, members, core))
+    return out
+
+
+@contextmanager
+def _flat_names(optimizers: tuple[Any, ...] = ()) -> Iterator[None]:
+    """Run DCP's own code with the flat names: no conversion, attached optimizers in their flat format."""
+    _raw.depth = getattr(_raw, "depth", 0) + 1
+    try:
+        with ExitStack() as stack:
+            for optim in optimizers:
+                stack.enter_context(own_format(optim))
+            yield
+    finally:
+        _raw.depth -= 1
+
+
+def _converting() -> bool:
+    return not getattr(_raw, "depth", 0)
+
+
+# ------------------------------------------------------------------------------ DTensor helpers
+def _is_dtensor(value: Any) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
+
+
+def _full(value: Tensor) -> Tensor:
+    return value.full_tensor() if _is_dtensor(value) else value  # type: ignore[attr-defined]
+
+
+def _shard_like(full: Tensor, like: Any) -> Tensor:
+    """Return ``full`` cut like ``like`` (a DTensor: same mesh, same placements, local cut, no collective)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    placements = like.placements if full.dim() > 0 else [Replicate()] * like.device_mesh.ndim
+    return distribute_tensor(full, like.device_mesh, placements, src_data_rank=None)
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+# --------------------------------------------------------------------------- flat -> plain names
+def _member_value(value: Any, flat: _Flat, offset: int, numel: int, shape: torch.Size) -> Any:
+    """Return a member's part of one state value of a flat parameter (a scalar: a copy)."""
+    if not (isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == flat.numel):
+        return _copy(value)
+    if _is_dtensor(value):
+        return _shard_like(_full(value).narrow(0, offset, numel).reshape(shape).clone(), value)
+    return value.narrow(0, offset, numel).view(shape)  # a view of the live state, as torch gives
+
+
+def _to_plain(osd: Any, flats: list[_Flat]) -> Any:
+    """Key DCP's optimizer state dict (``state`` / ``param_groups`` by fqn) by the plain names."""
+    if not isinstance(osd, Mapping) or "state" not in osd:
+        return osd
+    by_fqn = {f.fqn: f for f in flats}
+    state: dict[str, Any] = {}
+    for fqn, entry in osd["state"].items():
+        flat = by_fqn.get(fqn)
+        if flat is None:
+            state[fqn] = entry
+            continue
+        for name, offset, numel, shape in flat.members:
+            state[name] = {key: _member_value(v, flat, offset, numel, shape) for key, v in entry.items()}
+    groups = []
+    for group in osd["param_groups"]:
+        params: list[str] = []
+        for fqn in group["params"]:
+            flat = by_fqn.get(fqn)
+            params += [m[0] for m in flat.members] if flat is not None else [fqn]
+        groups.append({**group, "params": params})
+    return {"state": state, "param_groups": groups}
+
+
+# --------------------------------------------------------------------------- plain -> flat names
+def _flat_value(flat: _Flat, key: str, values: list[tuple[tuple[str, int, int, torch.Size], Any]]) -> Any:
+    """Return one state value of ``flat`` from its members' (per-element joined; scalars equal)."""
+    if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape == m[3] for m, v in values):
+        first = values[0][1]
+        local = first.to_local() if _is_dtensor(first) else first
+        buffer = torch.zeros(flat.numel, dtype=first.dtype, device=local.device)
+        for (name, offset, numel, shape), value in values:
+            if not isinstance(value, Tensor) or value.shape != shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"set_state_dict of a flattened model needs per-element optimizer state of the "
+                    f"parameter's shape; state {key!r} of {name} is {got}, the parameter {tuple(shape)}; "
+                    "load a checkpoint of this model's optimizer"
+                )
+            buffer.narrow(0, offset, numel).copy_(_full(value).detach().reshape(-1))
+        if _is_dtensor(first) and _is_dtensor(flat.flat):
+            return _shard_like(buffer, flat.flat)
+        return buffer
+    (first_name, *_), first = values[0]
+    for (name, *_), value in values[1:]:
+        same = (
+            isinstance(value, Tensor)
+            and isinstance(first, Tensor)
+            and value.shape == first.shape
+            and bool(torch.equal(_full(value).detach().cpu(), _full(first).detach().cpu()))
+        ) or (not isinstance(value, Tensor) and not isinstance(first, Tensor) and value == first)
+        if not same:
+            raise ValueError(
+                f"set_state_dict of a flattened model needs equal scalar optimizer state within a flat "
+                f"group; state {key!r} is {first!r} for {first_name} and {value!r} for {name}, both in "
+                f"{flat.fqn}; load a checkpoint whose parameters were stepped together, or give them "
+                "groups of their own (register_flat_storage(model, groups=...))"
+            )
+    return _copy(first)
+
+
+def _to_flat(osd: Any, flats: list[_Flat], strict: bool) -> Any:
+    """Key an optimizer state dict in the plain names (``state`` / ``param_groups``) by the flat ones."""
+    if not isinstance(osd, Mapping) or "state" not in osd:
+        return osd
+    state = dict(osd["state"])
+    owner: dict[str, _Flat] = {}
+    for flat in flats:
+        names = [m[0] for m in flat.members]
+        owner.update(dict.fromkeys(names, flat))
+        found = {name: state.pop(name) for name in names if name in state}
+        if not found:
+            continue
+        missing = [name for name in names if name not in found]
+        if missing and strict:
+            raise RuntimeError(
+                f"Missing optimizer state for parameter '{missing[0]}' in checkpoint. The parameter "
+                "requires gradients but has no saved optimizer state. To load anyway, use "
+                "StateDictOptions(strict=False)."
+            )
+        keys: list[str] = []
+        for entry in found.values():
+            keys += [k for k in entry if k not in keys]
+        state[flat.fqn] = {
+            key: _flat_value(
+                flat, key, [(m, found[m[0]][key]) for m in flat.members if key in found.get(m[0], {})]
+            )
+            for key in keys
+        }
+    groups = []
+    placed: set[str] = set()
+    for group in osd["param_groups"]:
+        params: list[str] = []
+        for fqn in group["params"]:
+            holder = owner.get(fqn)
+            if holder is None:
+                params.append(fqn)
+            elif holder.fqn not in placed:
+                placed.add(holder.fqn)
+                params.append(holder.fqn)
+        if params or not group["params"]:
+            groups.append({**group, "params": params})
+    return {"state": state, "param_groups": groups}
+
+
+def _nest(flattened: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """Turn DCP's ``flatten_optimizer_state_dict`` form back into ``state`` / ``param_groups`` by fqn."""
+    longest = sorted(names, key=len, reverse=True)
+    state: dict[str, Any] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in flattened.items():
+        section, _, rest = key.partition(".")
+        fqn = next((n for n in longest if rest.startswith(n + ".")), None)
+        if fqn is None or section not in ("state", "param_groups"):
+            continue
+        parts = rest[len(fqn) + 1 :].split(".")
+        if section == "param_groups":
+            hyper.setdefault(fqn, {})[".".join(parts)] = value
+            continue
+        node = state.setdefault(fqn, {})
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return {"state": state, "param_groups": [{**h, "params": [fqn]} for fqn, h in hyper.items()]}
+
+
+# ------------------------------------------------------------------------------------ the wrappers
+def _iterate_valid_model_state(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        flats = {id(f.flat): f for f in _flats(dsd, model)}
+        done: set[int] = set()
+        for name, obj in original(model, *args, **kwargs):
+            flat = flats.get(id(obj))
+            if flat is None:
+                yield name, obj
+                continue
+            if id(flat.core) in done:
+                continue
+            done.add(id(flat.core))
+            prefix = name[: len(name) - len(flat.attr)]
+            names = {n for n, _ in flat.core.named_views(remove_duplicate=False)}
+            for key, value in flat.core.module.state_dict(keep_vars=True).items():
+                if key in names:
+                    yield prefix + key, value
+
+    return wrapper
+
+
+def _verify_options(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        info = original(model, *args, **kwargs)
+        for flat in _flats(dsd, model):  # the optimizer code maps its parameters through these
+            info.fqn_param_mapping[flat.flat] = {flat.fqn}
+            info.fqn_param_mapping[flat.fqn] = flat.flat
+        return info
+
+    return wrapper
+
+
+def _init_optim_state(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(optim: Any) -> None:
+        if isinstance(optim, ShardedOptimizer):
+            optim._init_state()
+            return
+        original(optim)
+
+    return wrapper
+
+
+def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(model: nn.Module, optimizers: tuple[Any, ...], info: Any) -> Any:
+        flats = _flats(dsd, model) if _converting() and info.handle_optim else []
+        if not flats:
+            with _flat_names(optimizers):
+                return original(model, optimizers, info)
+        flatten = info.flatten_optimizer_state_dict
+        info.flatten_optimizer_state_dict = False
+        try:
+            with _flat_names(optimizers):
+                osd = original(model, optimizers, info)
+        finally:
+            info.flatten_optimizer_state_dict = flatten
+        osd = _to_plain(osd, flats)
+        if flatten and isinstance(osd, Mapping) and "state" in osd:
+            osd = dsd._flatten_optim_state_dict(osd)
+        return osd
+
+    return wrapper
+
+
+def _load_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(model: nn.Module, optimizers: tuple[Any, ...], state_dict: Any, info: Any) -> None:
+        flats = _flats(dsd, model) if _converting() and info.handle_optim else []
+        if flats and state_dict:
+            if "state" not in state_dict:
+                names = [m[0] for f in flats for m in f.members]
+                names += [n for n, _ in model.named_parameters()]
+                names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
+                state_dict = _nest(state_dict, names)
+            state_dict = _to_flat(state_dict, flats, info.strict)
+        with _flat_names(optimizers):
+            original(model, optimizers, state_dict, info)
+
+    return wrapper
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any], ModuleType], Callable[..., Any]]] = {
+    "_iterate_valid_model_state": _iterate_valid_model_state,
+    "_verify_options": _verify_options,
+    "_init_optim_state": _init_optim_state,
+    "_get_optim_state_dict": _get_optim_state_dict,
+    "_load_optim_state_dict": _load_optim_state_dict,
+}
+
+
+def _patch(dsd: ModuleType) -> None:
+    """Wrap the functions of ``dsd`` (DCP's ``state_dict`` module), once; none if one is missing."""
+    if not all(callable(getattr(dsd, name, None)) for name in _WRAPPED + _USED):
+        return  # another torch: leave DCP as it is rather than half wrapped
+    for name in _WRAPPED:
+        current = getattr(dsd, name)
+        if getattr(current, _MARK, None) is not None:
+            continue
+        wrapped = functools.wraps(current)(_WRAPPERS[name](current, dsd))
+        setattr(wrapped, _MARK, current)
+        setattr(dsd, name, wrapped)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wrap DCP's ``state_dict`` module right after it is first imported (importing it costs ~0.7 s)."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != TARGET:
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; only its loader's exec_module is wrapped
+        spec = importlib.util.find_spec(fullname)
+        loader = None if spec is None else spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            _patch(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign,union-attr]  # this spec's own
+        return spec
+
+
+def install() -> None:
+    """Make DCP see flattened storages as the plain model: wrap its module now, or when it is imported."""
+    if not torch.distributed.is_available():
+        return
+    loaded = sys.modules.get(TARGET)
+    if loaded is not None:
+        _patch(loaded)
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
