@@ -26,6 +26,12 @@ accumulate in ``flat_param.grad`` in that dtype. The group's ``reduce_dtype``
 sync and ``ShardedOptimizer``. ``cast_forward_inputs`` and ``output_dtype``
 are forward hooks of the registered module, inactive in unflattened mode.
 
+Fused optimizers (``fused=True``: ``_fused_adamw_`` & co., torch 2.13) update
+their parameters in place without moving ``_version``; a global optimizer
+step post-hook (registered with the first policy) moves the version of every
+master with a compute copy that an optimizer just stepped, so that their
+views and compute copies see the step like any other in-place update.
+
 Writes into the compute copy (``with torch.no_grad(): layer.weight.mul_(2)``
 in flat mode) are found at the next sync point or recast by the copy's own
 ``_version`` and land in the master, element by element where the copy and
@@ -42,6 +48,7 @@ from typing import Any, Callable, Union
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from .._core.features import Coordinator, storage_of
@@ -162,6 +169,33 @@ class _ComputeCopy:
 #: A float32 -> param_dtype conversion of a whole group (tests count them).
 CASTS = {"groups": 0}
 
+#: Every master that has a compute copy, by ``id`` (for :func:`_after_step`; a ``WeakSet`` would
+#: compare tensors with ``==``).
+_MASTERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+_STEP_HOOK: list[Any] = []
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: move the ``_version`` of every stepped master with a compute copy.
+
+    A fused step (``fused=True``) updates parameters in place without moving
+    their version counters; the views and compute copies watch them.
+    """
+    if not _MASTERS:
+        return
+    masters = _MASTERS
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            master = masters.get(id(param))
+            if master is not None and master is param:
+                torch.autograd.graph.increment_version(master)
+
+
+def _watch(master: Tensor) -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
+    _MASTERS[id(master)] = master
+
 
 class MixedPrecision:
     """The mixed-precision feature of a storage: ``FlatStorage.mixed_precision`` reads its policies.
@@ -225,6 +259,7 @@ class MixedPrecision:
             with torch.inference_mode(False):
                 tensor = copy.tensor = torch.empty(flat.shape, dtype=copy.dtype, device=flat.device)
             copy.master, copy.ptr, copy.version = flat, ptr, -1
+            _watch(flat)
         if copy.version != flat._version:
             with torch.inference_mode(False), torch.no_grad():
                 tensor.copy_(flat.detach())
