@@ -40,11 +40,17 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     "register": ("benchmarks.bench_register", "register_flat_storage on a large model: time, peak RSS"),
     "access": ("benchmarks.bench_access", "cost of one layer.weight access"),
     "eval": ("benchmarks.bench_eval", "TransformerEncoder eval and train passes, one process per contender"),
+    "mixed_precision": (
+        "benchmarks.bench_mixed_precision",
+        "bfloat16 training with float32 masters: autocast, pure bf16, mixed_precision=MixedPrecisionPolicy",
+    ),
     "ddp": ("benchmarks.bench_ddp", "data-parallel gradient sync (benchmarks/bench_ddp.py)"),
     "zero": ("benchmarks.bench_zero", "sharded optimizers, ZeRO-1/2 (benchmarks/bench_zero.py)"),
 }
 #: Workloads that are scripts of their own (``main(argv)``, process pairs); left out of ``--quick``.
 SCRIPTS = ("ddp", "zero")
+#: Workloads of one process per contender that ``--quick`` runs only when named with ``--only``.
+SEPARATE = ("mixed_precision",)
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_PREFACE = """
 Written by `python -m benchmarks --save-results` (see `python -m benchmarks --help`). Every
@@ -88,9 +94,10 @@ def _selected(only: list[str] | None, quick: bool) -> tuple[list[str], list[str]
     if only is None:
         names = list(WORKLOADS)
         if quick:
-            names = [n for n in names if n not in SCRIPTS]
+            names = [n for n in names if n not in SCRIPTS + SEPARATE]
             return names, [
-                f"{n}: skipped in --quick (run `python -m benchmarks --only {n} --quick`)" for n in SCRIPTS
+                f"{n}: skipped in --quick (run `python -m benchmarks --only {n} --quick`)"
+                for n in SCRIPTS + SEPARATE
             ]
         return names, []
     names = [n.strip() for item in only for n in item.split(",") if n.strip()]

@@ -48,7 +48,7 @@ nitpicky = True
 # parameter types that docstrings write in prose ("int, optional").
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|nn|dist|os|optim|matplotlib|collections|typing|pathlib)(\..*)?"),
-    (r"py:.*", r"(Tensor|Path|Parameter|ProcessGroup|Module|Optimizer|Figure)"),
+    (r"py:.*", r"(Tensor|Path|Parameter|ProcessGroup|Module|Optimizer|Figure|MixedPrecisionPolicy)"),
     (r"py:.*", r"(Any|Iterator|Iterable|Sequence|Mapping|Callable|OrderedDict|Union|Optional)"),
     (r"py:.*", r"(optional|str or os\.PathLike)"),
 ]

@@ -7,6 +7,7 @@ import math
 from torch import nn
 
 from ._core.names import registered_storage
+from ._features.mixed_precision import MixedPrecision, MixedPrecisionArg, resolve_policies
 from ._install.coordinator import StorageCore
 from ._install.grouping import GroupsArg, bucket_groups, resolve_groups
 from ._install.lifecycle import build_storage, remove_storage
@@ -24,6 +25,7 @@ def register_flat_storage(
     align: int = 1,
     bucket_cap_mb: float | None = None,
     exist_ok: bool = False,
+    mixed_precision: MixedPrecisionArg = None,
 ) -> FlatStorage:
     """Register one contiguous flat storage per group for the parameters of ``module``.
 
@@ -75,13 +77,15 @@ def register_flat_storage(
         The :class:`FlatStorage` coordinator.
 
     Raises:
-        TypeError: if ``module``, ``groups``, an item, ``align`` or
-            ``bucket_cap_mb`` has a wrong type.
+        TypeError: if ``module``, ``groups``, an item, ``align``,
+            ``bucket_cap_mb`` or ``mixed_precision`` (a string, a bare dtype,
+            a policy field) has a wrong type.
         ValueError: for a parameter or module that is not part
             of ``module``, a pattern that matches nothing, a parameter in two
             groups, a group mixing dtypes, devices or requires_grad, a bad
             group name, ``align < 1``, ``bucket_cap_mb <= 0`` (or not finite),
-            or ``bucket_cap_mb`` with explicit ``groups``.
+            or ``bucket_cap_mb`` with explicit ``groups``; a
+            ``mixed_precision`` naming an unknown group or a non-floating dtype.
         RuntimeError: if ``module`` (or part of it) already has a flat storage;
             with ``exist_ok=True``, if ``module``'s flat storage has another
             layout than these arguments make. In every case ``module`` is
@@ -129,11 +133,37 @@ def register_flat_storage(
     existing = registered_storage(target) if exist_ok else None
     if existing is not None:
         check_same_layout(existing, module, prefix, groups, align, bucket_cap_mb)
+        _check_same_policies(existing, mixed_precision)
         return facade_of(existing)
     specs = strip_prefix(resolve_groups(module, groups, target=target, prefix=prefix), prefix)
     if bucket_cap_mb is not None:
         specs = bucket_groups(target, specs, bucket_cap_mb)
-    return facade_of(build_storage(target, specs, align))
+    policies = None if mixed_precision is None else resolve_policies(mixed_precision, [s.name for s in specs])
+    core = build_storage(target, specs, align)
+    if policies is not None:
+        try:
+            core.add_feature(MixedPrecision(core, policies))
+        except BaseException:
+            remove_storage(core)
+            raise
+    return facade_of(core)
+
+
+def _check_same_policies(core: StorageCore, mixed_precision: MixedPrecisionArg) -> None:
+    """Refuse ``exist_ok=True`` with another mixed-precision policy than the storage's."""
+    feature = core.feature(MixedPrecision)
+    have = feature.policies if feature is not None else dict.fromkeys(core.group_names)
+    want = (
+        dict.fromkeys(core.group_names)
+        if mixed_precision is None
+        else resolve_policies(mixed_precision, core.group_names)
+    )
+    if have != want:
+        raise RuntimeError(
+            "register_flat_storage(..., exist_ok=True): the module's flat storage has another "
+            f"mixed_precision: {have}; got {want}; pass the policy it was registered with, or "
+            "call remove_flat_storage(module) first"
+        )
 
 
 def registered_core(module: nn.Module) -> StorageCore | None:

@@ -26,6 +26,7 @@ from ._core.flat_parameter import FlatParameter
 from ._core.records import ParamInfo
 from ._distributed.grad_sync import GradSync
 from ._features.functional import Functional, StackedTensors
+from ._features.mixed_precision import MixedPrecision
 from ._features.offload import DiskOffload
 from ._inspect.plot import plot_layout
 from ._inspect.summary import storage_html, storage_repr, summary_table
@@ -34,6 +35,7 @@ from ._state.attach_optim import OptimizerAttachment, attach_optimizer
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["FlatStorage", "FlatTensors", "ParamInfo", "facade_of"]
 
@@ -128,6 +130,33 @@ class FlatStorage:
     def is_flattened(self) -> bool:
         """Return whether the module is in flat mode (attributes are views)."""
         return self._core.is_flattened
+
+    @property
+    def mixed_precision(self) -> dict[str, MixedPrecisionPolicy | None]:
+        """Return the mixed-precision policy of every group, by group name (``None``: its own dtype).
+
+        Set by ``register_flat_storage(..., mixed_precision=...)``; a storage
+        registered without one has ``None`` for every group.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from torch.distributed.fsdp import MixedPrecisionPolicy
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+            >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            >>> storage = register_flat_storage(
+            ...     model, {"linear": [model[0]], "norm": [model[1]]}, mixed_precision={"linear": policy}
+            ... )
+            >>> {name: p and p.param_dtype for name, p in storage.mixed_precision.items()}
+            {'linear': torch.bfloat16, 'norm': None}
+            >>> model[0].weight.dtype, storage["linear"].dtype
+            (torch.bfloat16, torch.float32)
+        """
+        feature = self._core.feature(MixedPrecision)
+        if feature is None:
+            return dict.fromkeys(self._core.group_names)
+        return dict(feature.policies)
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(name, tensor)`` for every flattened parameter, as the module serves it.

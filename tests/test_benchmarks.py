@@ -42,8 +42,28 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
     ):
         assert f"### {title}" in out, title
     assert "ddp: skipped in --quick" in out
+    assert "mixed_precision: skipped in --quick" in out
     assert "FAILED" not in out
     assert (tmp_path / "results.md").read_text().startswith("# flatten_parametrize benchmarks")
+
+
+def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
+    """`--only mixed_precision --quick` runs every contender in its own process and prints the tables."""
+    done = _run(
+        ["-m", "benchmarks", "--quick", "--only", "mixed_precision", "--out", str(tmp_path)], tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    out = done.stdout
+    assert "### Mixed precision, encoder" in out and "### Quality: 20 AdamW steps" in out
+    for contender in (
+        "plain autocast",
+        "flat autocast",
+        "plain bfloat16",
+        "hand-written mixed",
+        "flat + policy",
+    ):
+        assert f"| {contender} " in out, contender
+    assert "4 + 2 + 4 = 10" in out and "FAILED" not in out
 
 
 def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:

@@ -54,7 +54,12 @@ def make_property(name: str) -> property:
         if _jit_trace._trace_module_map is None and not _is_dynamo_compiling():
             flat = group.params[group.flat_name]
             entry = group._tls.__dict__.get(_CURRENT)
-            if entry is not None and entry.flat is flat and not entry.watch_ptr:
+            if (
+                entry is not None
+                and entry.flat is flat
+                and not entry.watch_ptr
+                and (entry.version < 0 or entry.version == flat._version)  # a source's views: fresh
+            ):
                 view = entry.views[index]
                 if entry.grad:
                     if (

@@ -6,7 +6,8 @@ change with the library. (Users hold ``FlatStorage``; a feature sees the
 private core through ``records.Coordinator``.) The features are gradient sync
 (``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``_Member``
 (``_distributed/sharded.py``), disk backing (``_features/offload.py``) and
-ensembles (``_features/functional.py``); each owns its state, holds the core
+ensembles (``_features/functional.py``) and mixed precision
+(``_features/mixed_precision.py``); each owns its state, holds the core
 weakly, and reads nothing of another feature (``tests/guarantees/test_structure.py``
 checks their imports). The seams, all of them:
 
@@ -32,7 +33,10 @@ checks their imports). The seams, all of them:
     parameters in RAM by then).
   - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the
     copy goes without the feature). A pickled model is registered again on
-    load and starts with fresh features (no grad sync, buffers in RAM).
+    load and starts with fresh features (no grad sync, buffers in RAM),
+    except those with an optional ``pickle_record()`` returning
+    ``(function, args)``: the loaded core gets ``function(core, *args)``
+    (mixed precision keeps its policies so).
 
 * **"Values changed"**: a feature that derives something from the masters'
   values (a low-precision compute copy) compares, per group, the flat
@@ -47,8 +51,12 @@ checks their imports). The seams, all of them:
   update.
 * **Views from another tensor**: ``group.views.source`` (see
   ``view_cache.GroupViews``), a function ``flat -> tensor`` asked only when a
-  group's cache is rebuilt; the feature updates its tensor in place, or sets a
-  new one and calls ``group.views.invalidate()``.
+  group's cache is rebuilt (also after the flat tensor's ``_version`` moved);
+  the feature updates its tensor in place, or sets a new one and calls
+  ``group.views.invalidate()``. ``group.views.cast``: the dtype the uncached
+  paths (torch.compile, tracing, vmap) convert the flat tensor to.
+* **Reduce dtype**: ``group.views.grad_buffer.reduce_dtype``, the dtype in
+  which gradient sync and ``ShardedOptimizer`` reduce the group's gradient.
 * **The autograd path**, per group, on ``group.views.grad_buffer``
   (``grad.GradBuffer``): ``add_hook(h)`` / ``remove_hook(h)`` with a
   ``grad.FlatGradHook`` that sees each flat gradient while backward builds it

@@ -35,9 +35,9 @@ class FlatGradHook(Protocol):
 
     Gradient sync divides by the world size here (``_distributed/grad_sync.py``);
     ``ShardedOptimizer`` says that it releases full flat gradients
-    (:attr:`releases_gradient`); a feature that serves the views from a tensor
-    of another dtype (``GroupViews.source``) converts the gradient back to the
-    master's dtype in :meth:`grad_ready`.
+    (:attr:`releases_gradient`). Views served from a tensor of another dtype
+    (``GroupViews.source``) need no hook: the split node builds the flat
+    gradient in the flat parameter's dtype.
     """
 
     #: Whether this hook's owner drops the full flat gradient after backward (ZeRO-2 keeps a slice
@@ -51,8 +51,9 @@ class FlatGradHook(Protocol):
     def grad_ready(self, grad: Tensor, divided: bool) -> Tensor | None:
         """Take note of a built flat gradient; return ``None`` to keep it, or the gradient to use instead.
 
-        ``grad`` has the dtype of the views (the served tensor's: the flat
-        parameter's own, or that of ``GroupViews.source``); ``divided``: it
+        ``grad`` has the flat parameter's dtype (views served from a
+        ``GroupViews.source`` of another dtype had their gradients converted
+        while backward copied them together); ``divided``: it
         was divided by this hook's divisor. A returned tensor (same shape;
         another dtype is fine, e.g. the master's) replaces it: later hooks see
         it and backward returns it. Autograd casts what backward returns to
@@ -85,13 +86,16 @@ class GradBuffer:
     backward writes into it again instead. It holds no reference to the views
     or the module (it is reachable from autograd nodes).
 
+    ``reduce_dtype`` is the dtype in which the gradient travels between ranks
+    (the ``reduce_dtype`` of a mixed-precision policy; ``None``: its own).
+
     The sync claim says which one object reduces this group's flat gradient
     across ranks (the storage's grad sync, or one ``ShardedOptimizer``): a
     second one would reduce it twice, so :meth:`claim_sync` refuses it with
     the holder's message. The holder is held weakly: its claim ends with it.
     """
 
-    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep")
+    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "reduce_dtype")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -110,6 +114,9 @@ class GradBuffer:
         #: The group's flat-gradient hooks, in registration order (a tuple: read without a lock).
         self.hooks: tuple[FlatGradHook, ...] = ()
         self._claim: _SyncClaim | None = None
+        #: The dtype in which gradient sync and ``ShardedOptimizer`` reduce this group's gradient
+        #: across ranks (``None``: the gradient's own); a mixed-precision policy sets it.
+        self.reduce_dtype: torch.dtype | None = None
 
     def add_hook(self, hook: FlatGradHook) -> None:
         """Have backward call ``hook`` for each flat gradient of this group (after the hooks added before)."""
@@ -281,7 +288,10 @@ class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupS
         ctx.layout = layout
         ctx.buffer = buffer
         ctx.flat = weakref.ref(flat)
-        ctx.like = (served.dtype, served.device)  # the views' gradients are of the served dtype
+        # The flat gradient is built in the flat tensor's dtype: views served from a source of
+        # another dtype (a low-precision compute copy) have their gradients converted while they
+        # are copied together, in the same pass.
+        ctx.like = (flat.dtype, served.device)
         ctx.set_materialize_grads(False)
 
     @staticmethod

@@ -200,6 +200,9 @@ class Coordinator(Protocol):
         """Re-wrap flat parameters that ``module.to()`` & co. replaced or re-classed."""
 
     # The feature seams (see ``features.py``).
+    #: The features composed on this core, in the order the lifecycle notifies them.
+    features: list[Any]
+
     def feature(self, kind: type[F]) -> F | None:
         """The feature of type ``kind`` composed on this core, or ``None``."""
 

@@ -118,6 +118,8 @@ class CacheEntry:
         made: the slot index of every view made so far, in the order made.
         ptrs: the ``data_ptr()`` of each of those views when it was made.
         requires_grad: ``flat.requires_grad`` then.
+        version: ``flat._version`` then if the views come from a source (a
+            copy that does not share the flat tensor's in-place updates), else ``-1``.
         node: the ``grad_fn`` of the views (``None`` without grad or for a
             frozen buffer).
     """
@@ -133,6 +135,7 @@ class CacheEntry:
         "ptr",
         "ptrs",
         "requires_grad",
+        "version",
         "views",
         "watch_ptr",
     )
@@ -144,6 +147,7 @@ class CacheEntry:
         grad: bool,
         chunks: tuple[Tensor, ...] | None,
         views: list[Tensor | None],
+        version: int = -1,
     ) -> None:
         self.flat: Tensor | None = flat
         self.ptr = ptr
@@ -155,6 +159,9 @@ class CacheEntry:
         self.made_views: list[Tensor] = [v for v in views if v is not None]
         self.ptrs: list[int] = [v.data_ptr() for v in self.made_views]
         self.requires_grad = flat.requires_grad
+        #: ``flat._version`` when the views were served from ``GroupViews.source`` (``-1``: from
+        #: the flat tensor itself, whose in-place updates the views share).
+        self.version = version
         first = views[0] if views else None
         self.node = None if first is None else first.grad_fn
 
@@ -195,18 +202,26 @@ class GroupViews:
             ``FlatGradHook`` may convert it, and it reaches the flat tensor's
             ``.grad`` (autograd casts it to that dtype otherwise). Only the
             eager cached path uses it: torch.compile, jit tracing and tensors
-            without storage (vmap) split the flat tensor itself.
+            without storage (vmap) split the flat tensor itself (converted to
+            ``cast``). Views served from a source are rebuilt when the flat
+            tensor's ``_version`` moved (one integer compared per read), so
+            that the source sees every in-place update of the flat tensor.
+        cast: ``None``, or the dtype that the uncached paths (torch.compile,
+            jit tracing, vmap) convert the flat tensor to before splitting it,
+            inside the traced graph: the counterpart of a ``source`` in another dtype.
     """
 
     __slots__ = (
         "__weakref__",
         "_entries",
         "_grad_buffer",
+        "_masters",
         "_segments",
         "_shapes",
         "_split",
         "_tls",
         "_traced",
+        "cast",
         "check_next_forward",
         "flat_name",
         "layout",
@@ -231,6 +246,10 @@ class GroupViews:
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
         self.source: Callable[[Tensor], Tensor] | None = None
+        self.cast: torch.dtype | None = None
+        #: With a source: the flat tensor, its ``data_ptr()`` and one detached split of it, for
+        #: :meth:`master_view`.
+        self._masters: tuple[Tensor, int, tuple[Tensor, ...]] | None = None
         #: Set when a read switched entries (see :meth:`_switch`): the next forward of the
         #: registered module scans the views once (:meth:`land_flagged`).
         self.check_next_forward = False
@@ -251,6 +270,7 @@ class GroupViews:
         finally:
             self._tls = threading.local()
             self._entries = weakref.WeakSet()
+            self._masters = None
 
     def current(self) -> Tensor:
         """Return the tensor currently registered as the flat parameter."""
@@ -287,7 +307,24 @@ class GroupViews:
             view = entry.make(index, self._segments[index], self._shapes[index])
         if entry.watch_ptr and entry.ptr != _ptr(flat):
             return self._switch(flat, index)
+        if entry.version >= 0 and entry.version != flat._version:  # served from a source: refresh it
+            return self._switch(flat, index)
         return view  # type: ignore[return-value]
+
+    def master_view(self, index: int) -> Tensor:
+        """Return slot ``index`` of the flat tensor itself, also where a ``source`` serves the views.
+
+        What state dicts save and loads stage: the master's values, detached
+        when a source serves the views (one split per flat tensor, kept).
+        """
+        if self.source is None:
+            return self.view(index)
+        flat: Tensor = self.params[self.flat_name]
+        masters = self._masters
+        ptr = _ptr(flat)
+        if masters is None or masters[0] is not flat or masters[1] != ptr:
+            masters = self._masters = (flat, ptr, flat.detach().split(self._split))
+        return masters[2][self._segments[index]].view(self._shapes[index])
 
     def _switch(self, flat: Tensor, index: int) -> Tensor:
         """Serve slot ``index`` from the entry for the current grad mode, made anew if needed.
@@ -321,6 +358,8 @@ class GroupViews:
     def _valid(self, entry: CacheEntry, flat: Tensor, ptr: int, index: int) -> bool:
         if entry.flat is not flat or (entry.watch_ptr and entry.ptr != ptr):
             return False
+        if entry.version >= 0 and entry.version != flat._version:
+            return False
         if entry.grad:
             view = entry.views[index]
             return entry.requires_grad is flat.requires_grad and view.grad_fn is entry.node  # type: ignore[union-attr]
@@ -352,7 +391,9 @@ class GroupViews:
                 views = [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
             else:
                 views = [None] * len(self._shapes)
-        entry = cache[grad] = CacheEntry(flat, ptr, grad, chunks, views)
+        entry = cache[grad] = CacheEntry(
+            flat, ptr, grad, chunks, views, -1 if served is None else _version(flat)
+        )
         self._entries.add(entry)
         return entry
 
@@ -363,7 +404,10 @@ class GroupViews:
         was split once (see :func:`trace_split`): every view comes from that split.
         """
         traced = self._traced
-        chunks = traced[1] if traced is not None and traced[0] is flat else flat.split(self._split)
+        if traced is not None and traced[0] is flat:
+            chunks = traced[1]
+        else:
+            chunks = (flat if self.cast is None else flat.to(self.cast)).split(self._split)
         return chunks[self._segments[index]].view(self._shapes[index])
 
     def sync(self) -> None:
@@ -439,7 +483,7 @@ class GroupViews:
         """Split the current flat tensor once for the traced forward (``active``), or forget that split."""
         if active:
             flat = self.params[self.flat_name]
-            self._traced = (flat, flat.split(self._split))
+            self._traced = (flat, (flat if self.cast is None else flat.to(self.cast)).split(self._split))
         else:
             self._traced = None
 
@@ -456,8 +500,10 @@ class GroupViews:
         new._tls = threading.local()
         new._entries = weakref.WeakSet()
         new._traced = None
+        new._masters = None
         new._grad_buffer = GradBuffer()
         new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
+        new.cast = None
         new.check_next_forward = False
         return new
 
@@ -478,6 +524,13 @@ def _source(group: GroupViews, flat: Tensor) -> Tensor:
             f"{served.device}; the views need one of shape {tuple(flat.shape)} on {flat.device}"
         )
     return served
+
+
+def _version(tensor: Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference tensors keep no version counter (nor can they change)
+        return -1
 
 
 def _ptr(tensor: Tensor) -> int:

@@ -63,8 +63,34 @@ def _check_op(op: Any) -> str:
     return op
 
 
-def _all_reduce(grad: Tensor, process_group: dist.ProcessGroup | None, world: int, op: str) -> dist.Work:
-    """Start an in-place all-reduce of ``grad`` (``op`` is ``"mean"`` or ``"sum"``)."""
+class _CastBack:
+    """A collective over a copy of a gradient in its reduce dtype: ``wait()`` copies the result back."""
+
+    def __init__(self, work: dist.Work, low: Tensor, grad: Tensor) -> None:
+        self.work, self.low, self.grad = work, low, grad
+
+    def wait(self) -> bool:
+        self.work.wait()
+        with torch.no_grad():
+            self.grad.copy_(self.low)
+        return True
+
+
+def _all_reduce(
+    grad: Tensor,
+    process_group: dist.ProcessGroup | None,
+    world: int,
+    op: str,
+    dtype: torch.dtype | None = None,
+) -> Any:
+    """Start an in-place all-reduce of ``grad`` (``op`` is ``"mean"`` or ``"sum"``), in ``dtype`` if given.
+
+    A ``dtype`` other than the gradient's (a mixed-precision policy's ``reduce_dtype``, on the
+    group's ``GradBuffer``) reduces a converted copy; waiting copies the result back into ``grad``.
+    """
+    if dtype is not None and dtype != grad.dtype:
+        low = grad.to(dtype)
+        return _CastBack(_all_reduce(low, process_group, world, op), low, grad)
     if op == "sum" or world == 1:
         return dist.all_reduce(grad, dist.ReduceOp.SUM, group=process_group, async_op=True)
     if grad.is_cuda and "nccl" in str(dist.get_backend(process_group)):
@@ -111,7 +137,7 @@ class _SyncState:
         self.ready = [False] * len(self.handles)
         self.seen: list[int] = []
         self.next = 0
-        self.works: list[dist.Work] = []
+        self.works: list[Any] = []
 
 
 class _Prescale:
@@ -236,8 +262,11 @@ class GradSync:
         pg, world = checked_process_group(process_group, "all_reduce_grads()")
         storage = self._storage
         with in_flat_mode(storage):
-            grads = [_flat_grad(g.flat) for g in storage.groups() if g.flat.requires_grad]
-            works = [_all_reduce(grad, pg, world, op) for grad in grads]
+            groups = [g for g in storage.groups() if g.flat.requires_grad]
+            works = [
+                _all_reduce(_flat_grad(g.flat), pg, world, op, g.views.grad_buffer.reduce_dtype)
+                for g in groups
+            ]
             for work in works:
                 work.wait()
 
@@ -347,7 +376,8 @@ class GradSync:
                 if not (final or state.ready[g]):
                     return
                 op = "sum" if state.prescaled[g] == state.task else "mean"  # divided in backward
-                state.works.append(_all_reduce(_flat_grad(flat), state.process_group, state.world, op))
+                dtype = groups[g].views.grad_buffer.reduce_dtype
+                state.works.append(_all_reduce(_flat_grad(flat), state.process_group, state.world, op, dtype))
             state.next += 1
 
     def _backward_end(self, state: _SyncState) -> None:

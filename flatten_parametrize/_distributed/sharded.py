@@ -389,8 +389,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
         elif not grad.is_contiguous():
             grad = grad.contiguous()
+        grad, full = self._in_reduce_dtype(shard, grad), grad
         if not self._shard_gradients:
-            flat.grad = grad
+            flat.grad = full
             if not self._nccl:
                 grad.div_(world)  # gloo has no average: divide, then sum
                 return shard, [dist.all_reduce(grad, group=pg, async_op=True)], grad
@@ -409,12 +410,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out = grad.new_empty(shard.chunk)
         return shard, [reduce_scatter(out, padded, group=pg, async_op=True)], out
 
+    def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
+        """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
+        dtype = self._storage().groups()[shard.g].views.grad_buffer.reduce_dtype
+        return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
+
     def _finish(self) -> None:
         """Wait for the reductions in flight and hand each slice its averaged gradient."""
         pending, self._pending = self._pending, []
         for shard, works, grad in pending:
             for work in works:
                 work.wait()
+            if grad.dtype != shard.flat.dtype:  # reduced in the group's reduce dtype
+                grad = grad.to(shard.flat.dtype)
+                if not self._shard_gradients and shard.flat.grad is not None:
+                    shard.flat.grad.copy_(grad)
             if not self._shard_gradients:
                 shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
             elif self._by_owner:

@@ -238,6 +238,11 @@ class StorageRecord:
         self.layouts = [group.layout for group in storage.groups()]
         self.slots = [(slot.name, slot.aliases, slot.group_index, slot.index) for slot in storage.slots()]
         self.flattened = storage.is_flattened
+        #: ``(function, args)`` per feature that survives pickling (its ``pickle_record()``), each
+        #: called as ``function(core, *args)`` once the storage is registered again.
+        self.features = [
+            record() for f in storage.features if (record := getattr(f, "pickle_record", None)) is not None
+        ]
 
 
 def reduce_flattened(module: nn.Module, proto: Any) -> Any:
@@ -287,6 +292,8 @@ def _restore(root: nn.Module, state: tuple[dict[str, Any], StorageRecord]) -> No
         slots.append(Slot(name, aliases, group_index, index, param))
     core = StorageCore(root, record.group_names, record.flats, record.layouts, slots)
     install_storage(core)
+    for function, args in getattr(record, "features", ()):
+        function(core, *args)
     if not record.flattened:
         core.unflatten()
 

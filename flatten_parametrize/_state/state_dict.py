@@ -77,7 +77,7 @@ def _staging(views: GroupViews, index: int, requires_grad: bool) -> StagingSlot:
     current = views.current()
     shard = local_shard(current) if is_foreign(current) else None
     if shard is None:
-        memory = views.view(index).detach()
+        memory = views.master_view(index).detach()
     else:  # FSDP2's DTensor: a stand-in of the slot's shape (the values go to the local shard)
         local = shard[0]
         memory = torch.empty((), dtype=local.dtype, device=local.device).expand(views.layout.shapes[index])
@@ -116,7 +116,7 @@ def save_module(
             if sharded is not None:
                 destination[key] = sharded
                 continue
-            view = slot[0].view(slot[1])
+            view = slot[0].master_view(slot[1])
             destination[key] = view if keep_vars else _alias(destination, slot, view.detach())
         elif key in own:
             destination[key] = own.pop(key)

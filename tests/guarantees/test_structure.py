@@ -284,9 +284,6 @@ FLAT_STORAGE_PUBLIC = {
     "broadcast_params", "enable_grad_sync", "disable_grad_sync", "no_sync", "is_offloaded",
     "offload_files", "offload_to_disk", "load_to_memory", "stack", "call_stacked",
 }  # fmt: skip
-# mixed_precision is in the contract but not implemented yet: the one name allowed to be missing until
-# the mixed-precision feature lands (then delete this set).
-FLAT_STORAGE_NOT_YET = {"mixed_precision"}
 SHARDED_OPTIMIZER_PUBLIC = {"no_sync", "clip_grad_norm_", "sharded_state_dict", "load_sharded_state_dict",
                             "local_optimizer"}  # fmt: skip
 
@@ -296,11 +293,11 @@ def _public(obj: object) -> set[str]:
 
 
 def test_flat_storage_has_exactly_the_contracts_public_names():
-    """``dir(storage)`` shows exactly the contract's public names (``mixed_precision`` may be missing)."""
+    """``dir(storage)`` shows exactly the contract's public names."""
     model = nn.Linear(2, 2)
     public = _public(register_flat_storage(model))
     extra, missing = sorted(public - FLAT_STORAGE_PUBLIC), sorted(FLAT_STORAGE_PUBLIC - public)
-    assert extra == [] and set(missing) <= FLAT_STORAGE_NOT_YET, f"extra: {extra}; missing: {missing}"
+    assert extra == [] and missing == [], f"extra: {extra}; missing: {missing}"
 
 
 def test_sharded_optimizer_adds_exactly_the_contracts_public_names(world1):

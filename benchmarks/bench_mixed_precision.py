@@ -1,0 +1,532 @@
+"""Workload: bfloat16 training steps with float32 masters, one process per contender.
+
+Models: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 4 heads, feed-forward
+1024, batch 8 x 64) and a tiny GPT-2 built from a config (transformers). Rows
+per model: a training step with fused AdamW over 1 and over 4 micro-batches,
+and forward+backward alone. Contenders, each in a process of its own, timed in
+turns (``benchmarks/_processes.py``):
+
+* ``plain float32``: the plain model;
+* ``plain autocast``: the plain model under ``torch.autocast("cpu", torch.bfloat16)``;
+* ``flat autocast``: ``register_flat_storage(model)`` under the same autocast;
+* ``plain bfloat16``: ``model.bfloat16()``, no float32 master (pure bf16);
+* ``hand-written mixed``: the plain model's float32 masters cast by hand to
+  bfloat16 leaves once per step (per-parameter casts), micro-batches through
+  ``functional_call``, each bf16 gradient added into the master's float32 ``.grad``;
+* ``flat + policy``: ``register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(bf16))``.
+
+Beside each contender: the bytes per parameter it keeps (master + compute copy
++ gradient). Quality: 300 AdamW steps (lr 1e-4) of the tiny GPT-2 on a fixed
+synthetic corpus for float32, autocast plain, flat + policy and pure bfloat16:
+the final loss and the fraction of weights that changed from their initial
+value (pure bfloat16 loses the updates smaller than half its spacing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._processes import Worker, emit, serve, started, time_in_turns
+from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_most, fmt_ratio, fmt_time, ratio
+
+__all__ = ["CONTENDERS", "run"]
+
+FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY = (
+    "plain float32",
+    "plain autocast",
+    "flat autocast",
+    "plain bfloat16",
+    "hand-written mixed",
+    "flat + policy",
+)
+CONTENDERS = (FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY)
+#: The contenders of the quality run.
+QUALITY = (FP32, AUTOCAST, POLICY, BF16)
+MODELS = ("encoder", "gpt2")
+#: ``--quick`` times the encoder only and trains a torch-only stand-in of the GPT-2 (``lm``), so that
+#: no worker imports transformers (seconds per process on a busy machine).
+QUICK_MODELS = ("encoder",)
+STEP1, STEP4, FWD_BWD = "step, 1 micro-batch", "step, 4 micro-batches", "forward+backward"
+ROWS = (STEP1, STEP4, FWD_BWD)
+#: Timed rounds at most (a step over 4 micro-batches of the encoder takes about a second; the
+#: whole workload stays within a few minutes).
+ROUNDS = 7
+#: Targets: flat + policy over plain autocast per step row; forward+backward over pure bfloat16.
+TARGETS = {STEP1: 0.95, STEP4: 0.92, FWD_BWD: 1.05}
+
+
+def _size(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {
+            "encoder": {"layers": 2, "d_model": 32, "heads": 2, "feedforward": 64, "batch": 2, "tokens": 8},
+            "gpt2": {
+                "layers": 1,
+                "embd": 32,
+                "heads": 2,
+                "vocab": 64,
+                "batch": 2,
+                "tokens": 16,
+                "torch_only": True,
+            },
+            "quality_steps": 20,
+        }
+    return {
+        "encoder": {"layers": 6, "d_model": 256, "heads": 4, "feedforward": 1024, "batch": 8, "tokens": 64},
+        "gpt2": {"layers": 2, "embd": 128, "heads": 4, "vocab": 1024, "batch": 8, "tokens": 64},
+        "quality_steps": 300,
+    }
+
+
+# ---------------------------------------------------------------- one worker
+
+
+def _build(name: str, size: dict[str, Any]) -> tuple[Any, Any, Callable[[Any, Any], Any]]:
+    """Return (model, batch maker, loss of model on a batch), seeded."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "encoder":
+        s = size["encoder"]
+        layer = nn.TransformerEncoderLayer(
+            s["d_model"], s["heads"], s["feedforward"], dropout=0.0, batch_first=True
+        )
+        model = nn.TransformerEncoder(layer, s["layers"], enable_nested_tensor=False)
+        gen = torch.Generator().manual_seed(1)
+        batches = [torch.randn(s["batch"], s["tokens"], s["d_model"], generator=gen) for _ in range(4)]
+
+        def loss(m: Any, x: Any) -> Any:
+            return m(x).float().square().mean()
+
+        return model, batches, loss
+    s = size["gpt2"]
+    batches = [_corpus(s, i) for i in range(4)]
+
+    def lm_loss(m: Any, ids: Any) -> Any:
+        out = m(input_ids=ids)
+        logits = (out if isinstance(out, torch.Tensor) else out.logits).float()
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+        )
+
+    if s.get("torch_only"):
+        return _TinyLM(s["vocab"], s["embd"]), batches, lm_loss
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=s["vocab"],
+        n_positions=s["tokens"],
+        n_embd=s["embd"],
+        n_layer=s["layers"],
+        n_head=s["heads"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(config), batches, lm_loss
+
+
+def _tiny_lm_class() -> Any:
+    from torch import nn
+
+    class TinyLM(nn.Module):
+        """``--quick``'s stand-in of the GPT-2: embedding, norm, MLP, tied head."""
+
+        def __init__(self, vocab: int, dim: int) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.norm = nn.LayerNorm(dim)
+            self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            self.head = nn.Linear(dim, vocab, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, input_ids: Any) -> Any:
+            h = self.embed(input_ids)
+            return self.head(h + self.mlp(self.norm(h)))
+
+    return TinyLM
+
+
+def _TinyLM(vocab: int, dim: int) -> Any:
+    return _tiny_lm_class()(vocab, dim)
+
+
+def _corpus(s: dict[str, Any], i: int) -> Any:
+    """A learnable synthetic batch: arithmetic sequences of token ids with per-row steps."""
+    import torch
+
+    gen = torch.Generator().manual_seed(100 + i)
+    start = torch.randint(0, s["vocab"], (s["batch"], 1), generator=gen)
+    step = torch.randint(1, 8, (s["batch"], 1), generator=gen)
+    return (start + step * torch.arange(s["tokens"])) % s["vocab"]
+
+
+class _Trainer:
+    """One contender's training step on one model."""
+
+    def __init__(self, contender: str, model: Any, loss: Callable[[Any, Any], Any]) -> None:
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from flatten_parametrize import register_flat_storage
+
+        self.loss = loss
+        self.autocast = contender in (AUTOCAST, FLAT_AUTOCAST)
+        self.cast_batch = contender == BF16
+        self.compute_bytes = 0
+        self.hand = contender == HAND
+        if contender == FLAT_AUTOCAST:
+            register_flat_storage(model)
+        elif contender == POLICY:
+            register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            self.compute_bytes = 2
+        elif contender == BF16:
+            model = model.bfloat16()
+        elif contender == HAND:
+            self.compute_bytes = 2
+        elif contender not in (FP32, AUTOCAST):
+            raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
+        if self.hand:
+            named = dict(model.named_parameters())
+            self.names = list(named)
+            self.low = {
+                n: torch.empty_like(p, dtype=torch.bfloat16).requires_grad_() for n, p in named.items()
+            }
+
+    def context(self) -> Any:
+        import torch
+
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+
+    def _batch(self, x: Any) -> Any:
+        import torch
+
+        return x.bfloat16() if self.cast_batch and torch.is_floating_point(x) else x
+
+    def forward_backward(self, x: Any) -> Any:
+        """One micro-batch: forward, loss, backward (gradients add up)."""
+        import torch
+
+        if self.hand:
+            out = self.loss(self._hand_model, x)
+            out.backward()
+            with torch.no_grad():
+                for name, p in zip(self.names, self.params):
+                    low = self.low[name]
+                    if low.grad is not None:
+                        if p.grad is None:
+                            p.grad = low.grad.float()
+                        else:
+                            p.grad.add_(low.grad)
+                        low.grad = None
+            return out
+        with self.context():
+            out = self.loss(self.model, self._batch(x))
+        out.backward()
+        return out
+
+    def _hand_model(self, *args: Any, **kwargs: Any) -> Any:
+        """The plain model called with the bfloat16 copies of its weights (floating inputs cast too)."""
+        import torch
+        from torch.utils._pytree import tree_map_only
+
+        def cast(t: Any) -> Any:
+            return t.bfloat16() if torch.is_floating_point(t) else t
+
+        args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return torch.func.functional_call(self.model, self.low, args, kwargs)
+
+    def step(self, batches: list[Any]) -> Any:
+        """One optimizer step over ``batches`` (micro-batches)."""
+        import torch
+
+        self.opt.zero_grad()
+        if self.hand:
+            with torch.no_grad():
+                for name, p in zip(self.names, self.params):
+                    self.low[name].copy_(p)
+        for x in batches:
+            out = self.forward_backward(x)
+        self.opt.step()
+        return out
+
+    def bytes_per_param(self) -> dict[str, float]:
+        n = sum(p.numel() for p in self.params)
+        master = sum(p.numel() * p.element_size() for p in self.params) / n
+        grad = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None) / n
+        return {"master": master, "compute": float(self.compute_bytes), "grad": grad, "params": n}
+
+
+def _changed_fraction(model: Any, initial: list[Any]) -> float:
+    import torch
+
+    changed = total = 0
+    with torch.no_grad():
+        for p, p0 in zip(_masters(model), initial):
+            changed += int((p.float() != p0).sum())
+            total += p.numel()
+    return changed / total
+
+
+def _masters(model: Any) -> list[Any]:
+    return [v for v in model.state_dict().values() if v.is_floating_point()]
+
+
+def _quality(contender: str, size: dict[str, Any]) -> dict[str, float]:
+    """Train the tiny GPT-2 for ``quality_steps`` steps; return the final loss and the changed fraction."""
+    import torch
+
+    model, _, loss = _build("gpt2", size)
+    trainer = _Trainer(contender, model, loss)
+    initial = [v.detach().float().clone() for v in _masters(trainer.model)]
+    steps = size["quality_steps"]
+    s = size["gpt2"]
+    last = []
+    for i in range(steps):
+        out = trainer.step([_corpus(s, 1000 + i)])
+        if i >= steps - 10:
+            last.append(float(out))
+    with torch.no_grad():
+        eval_loss = sum(float(loss_of(trainer, _corpus(s, j))) for j in range(4)) / 4
+    return {
+        "loss": eval_loss,
+        "train_loss": sum(last) / len(last),
+        "changed": _changed_fraction(trainer.model, initial),
+    }
+
+
+def loss_of(trainer: _Trainer, ids: Any) -> Any:
+    """Evaluate the contender's loss on ``ids`` (its own compute path, no gradient)."""
+    import torch
+
+    if trainer.hand:
+        with torch.no_grad():
+            for name, p in zip(trainer.names, trainer.params):
+                trainer.low[name].copy_(p)
+        return trainer.loss(trainer._hand_model, ids)
+    with trainer.context():
+        return trainer.loss(trainer.model, ids)
+
+
+def _worker(contender: str, config: dict[str, Any]) -> None:
+    """Build both models for one contender, calibrate every row, then answer ``go <model>/<row>`` lines."""
+    import torch
+
+    torch.set_num_threads(config["threads"])
+    torch.set_flush_denormal(True)
+    size = config["size"]
+    rows: dict[str, Callable[[], None]] = {}
+    memory = {}
+    for name in QUICK_MODELS if config["quick"] else MODELS:
+        model, batches, loss = _build(name, size)
+        trainer = _Trainer(contender, model, loss)
+
+        def fb(t: _Trainer = trainer, b: list[Any] = batches) -> None:
+            for p in t.params:
+                p.grad = None
+            if t.hand:
+                with torch.no_grad():
+                    for n, p in zip(t.names, t.params):
+                        t.low[n].copy_(p)
+            t.forward_backward(b[0])
+
+        rows[f"{name}/{STEP1}"] = lambda t=trainer, b=batches: t.step(b[:1])
+        rows[f"{name}/{STEP4}"] = lambda t=trainer, b=batches: t.step(b)
+        rows[f"{name}/{FWD_BWD}"] = fb
+        trainer.step(batches[:1])
+        memory[name] = trainer.bytes_per_param()
+    calls = {}
+    for key, fn in rows.items():
+        for _ in range(config["warmup"]):
+            fn()
+        start = time.perf_counter()
+        fn()
+        once = time.perf_counter() - start
+        calls[key] = max(1, min(10_000, math.ceil(config["round_s"] / max(once, 1e-9))))
+    emit({"memory": memory})
+
+    def measure(what: str) -> dict[str, Any]:
+        if what == "quality":
+            return _quality(contender, size)
+        fn, n = rows[what], calls[what]
+        if n > 1:
+            fn()  # the first pass after another row is not timed (rows of one pass per round: no time)
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return {"seconds": (time.perf_counter() - start) / n}
+
+    serve(measure)
+
+
+# ------------------------------------------------------------------ launcher
+
+
+def run(settings: Settings) -> Report:
+    """Time every row of both models for every contender (one process each), then the quality run."""
+    size = _size(settings.quick)
+    config = {
+        "size": size,
+        "threads": settings.threads,
+        "warmup": settings.warmup,
+        "round_s": settings.round_s,
+        "quick": settings.quick,
+    }
+    models = QUICK_MODELS if settings.quick else MODELS
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(settings.threads),
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
+    }
+    workers = {
+        name: [
+            Worker(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.bench_mixed_precision",
+                    "--worker",
+                    name,
+                    json.dumps(config),
+                ],
+                f"bench_mixed_precision: {name!r}",
+                env,
+            )
+        ]
+        for name in CONTENDERS
+    }
+    results: dict[str, dict[str, Samples]] = {}
+    rounds = min(settings.rounds, ROUNDS)
+    with started([w for ws in workers.values() for w in ws], timeout=1200):
+        memory = {name: ws[0].receive()["memory"] for name, ws in workers.items()}
+        for model in models:
+            for row in ROWS:
+                key = f"{model}/{row}"
+                found = time_in_turns(workers, key, rounds)
+                results[key] = {n: Samples([m[0]["seconds"] for m in rounds]) for n, rounds in found.items()}
+        quality = {}
+        for name in QUALITY:  # one at a time: each trains on its own
+            workers[name][0].send("go quality")
+            quality[name] = workers[name][0].receive()
+    report = Report()
+    for model in models:
+        report.tables.append(
+            _timing_table(model, size, results, memory[FP32][model]["params"], memory, rounds)
+        )
+        for row in ROWS:
+            res = results[f"{model}/{row}"]
+            base = BF16 if row == FWD_BWD else AUTOCAST
+            report.checks.append(
+                at_most(f"{model} {row}: flat + policy / {base}", ratio(res, POLICY, base), TARGETS[row])
+            )
+    report.tables.append(_quality_table(quality, size["quality_steps"], settings.quick))
+    loss_ratio = quality[POLICY]["loss"] / quality[AUTOCAST]["loss"]
+    report.checks.append(
+        at_most("gpt2 quality: |final loss flat + policy / autocast - 1|", abs(loss_ratio - 1), 0.01)
+    )
+    changed = quality[POLICY]["changed"] / quality[FP32]["changed"]
+    report.checks.append(at_least("gpt2 quality: weights changed, flat + policy / float32", changed, 0.99))
+    return report
+
+
+def _timing_table(
+    model: str,
+    size: dict[str, Any],
+    results: dict[str, dict[str, Samples]],
+    params: int,
+    memory: dict[str, Any],
+    rounds: int,
+) -> Table:
+    s = size[model]
+    what = (
+        f"{s['layers']} layers, d_model {s['d_model']}, batch {s['batch']} x {s['tokens']}"
+        if model == "encoder"
+        else f"GPT-2 from a config, {s['layers']} layers, n_embd {s['embd']}, vocab {s['vocab']}, "
+        f"batch {s['batch']} x {s['tokens']}"
+    )
+    table = Table(
+        f"Mixed precision, {model} ({what}, {params:,} params), fused AdamW",
+        ["contender", *ROWS, "/ float32 (1 mb)", "/ autocast (1 mb)", "/ autocast (4 mb)", "fwd+bwd / bf16",
+         "bytes/param (master + compute + grad)"],
+    )  # fmt: skip
+    for name in CONTENDERS:
+        cells = []
+        for row in ROWS:
+            sample = results[f"{model}/{row}"][name]
+            cells.append(f"{fmt_time(sample.median)} +-{sample.spread:.0%}")
+        m = memory[name][model]
+        table.add(
+            name,
+            *cells,
+            fmt_ratio(ratio(results[f"{model}/{STEP1}"], name, FP32)),
+            fmt_ratio(ratio(results[f"{model}/{STEP1}"], name, AUTOCAST)),
+            fmt_ratio(ratio(results[f"{model}/{STEP4}"], name, AUTOCAST)),
+            fmt_ratio(ratio(results[f"{model}/{FWD_BWD}"], name, BF16)),
+            _bytes(m),
+        )
+    table.notes.append(
+        f"{rounds} rounds per row, contenders alternating (forward, then reverse order), each "
+        "in its own process; median time per call and half the interquartile range. Autocast adds "
+        "per-use casts that live until backward ends (not counted in bytes/param); AdamW state (8 "
+        "bytes/param in the master's dtype, 4 for pure bfloat16) comes on top."
+    )
+    return table
+
+
+def _bytes(m: dict[str, float]) -> str:
+    total = m["master"] + m["compute"] + m["grad"]
+    return f"{m['master']:.0f} + {m['compute']:.0f} + {m['grad']:.0f} = {total:.0f}"
+
+
+def _quality_table(quality: dict[str, dict[str, float]], steps: int, quick: bool) -> Table:
+    model = "a torch-only tiny LM (--quick)" if quick else "the tiny GPT-2"
+    table = Table(
+        f"Quality: {steps} AdamW steps (lr 1e-4) of {model} on a synthetic corpus",
+        [
+            "contender",
+            "final eval loss",
+            "/ autocast",
+            "mean train loss (last 10)",
+            "weights changed",
+            "/ float32",
+        ],
+    )
+    for name, q in quality.items():
+        table.add(
+            name,
+            f"{q['loss']:.4f}",
+            f"{q['loss'] / quality[AUTOCAST]['loss']:.4f}",
+            f"{q['train_loss']:.4f}",
+            f"{q['changed']:.2%}",
+            f"{q['changed'] / quality[FP32]['changed']:.3f}",
+        )
+    table.notes.append(
+        "Weights changed: the fraction of elements of the float32 masters (pure bfloat16: of its "
+        "weights) whose value differs from the initial one; pure bfloat16 drops the updates below "
+        "half its spacing."
+    )
+    return table
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        raise SystemExit(
+            "bench_mixed_precision runs as a workload of `python -m benchmarks --only mixed_precision`"
+        )

@@ -1,0 +1,383 @@
+"""Mixed precision on the flat buffers: float32 masters, one low-precision compute copy per group.
+
+``register_flat_storage(..., mixed_precision=policy)`` composes a
+:class:`MixedPrecision` feature on the core. For each group whose policy has a
+``param_dtype`` other than the flat parameter's dtype, it keeps a **compute
+copy**: one flat tensor of ``param_dtype`` with the group's layout, from which
+the group's views are served (the ``GroupViews.source`` seam). The
+``FlatParameter`` stays the master: the optimizer steps it, state dicts save
+it, loads write it.
+
+When the copy is cast: the view cache asks the source only when it rebuilds a
+group's views, and rebuilds them when the flat tensor was replaced (``.data``
+swap, ``module.to()``) or its ``_version`` moved (optimizer steps, in-place
+updates, loads); the source casts again (one ``copy_`` per group, into the
+same memory) only if the master's identity, memory, dtype or ``_version``
+differs from what it cast last. A forward after which nothing changed casts
+nothing. Under ``torch.compile``, jit tracing and vmap the views are split
+from ``flat.to(param_dtype)`` inside the traced graph instead (``GroupViews.cast``):
+no version check in compiled code.
+
+Gradients: the views are outputs of the group's split node whose input is the
+master, so backward builds the flat gradient in the master's dtype (the view
+gradients are converted while they are copied together) and micro-batches
+accumulate in ``flat_param.grad`` in that dtype. The group's ``reduce_dtype``
+(``None``: ``param_dtype``, as FSDP2) is put on its ``GradBuffer`` for gradient
+sync and ``ShardedOptimizer``. ``cast_forward_inputs`` and ``output_dtype``
+are forward hooks of the registered module, inactive in unflattened mode.
+
+Fused optimizers (``fused=True``: ``_fused_adamw_`` & co., torch 2.13) update
+their parameters in place without moving ``_version``; a global optimizer
+step post-hook (registered with the first policy) moves the version of every
+master with a compute copy that an optimizer just stepped, so that their
+views and compute copies see the step like any other in-place update.
+
+Writes into the compute copy (``with torch.no_grad(): layer.weight.mul_(2)``
+in flat mode) are found at the next sync point or recast by the copy's own
+``_version`` and land in the master, element by element where the copy and
+the master's cast differ (values rounded to ``param_dtype``, as written).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_map_only
+
+from .._core.features import Coordinator, storage_of
+from .._core.names import registered_storage
+from .._core.records import Group
+
+__all__ = ["MixedPrecision", "MixedPrecisionArg", "resolve_policies"]
+
+#: What ``register_flat_storage(mixed_precision=...)`` accepts.
+MixedPrecisionArg = Union[MixedPrecisionPolicy, Mapping[str, Union[MixedPrecisionPolicy, None]], None]
+
+_FIX = "pass e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16) from torch.distributed.fsdp"
+
+
+def _check_dtype(field: str, value: Any, where: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"mixed_precision: {field} must be a floating-point torch.dtype or None; got "
+            f"{type(value).__name__} {value!r}{where}; {_FIX}"
+        )
+    if not value.is_floating_point:
+        raise ValueError(
+            f"mixed_precision: {field} must be a floating-point dtype; got {value}{where}; "
+            "use torch.bfloat16, torch.float16 or torch.float32"
+        )
+
+
+def _check_policy(policy: Any, where: str) -> MixedPrecisionPolicy:
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, or a mapping "
+            f"group name -> MixedPrecisionPolicy or None; got {type(policy).__name__} {policy!r}{where}; "
+            f"{_FIX}"
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        _check_dtype(field, getattr(policy, field), where)
+    if not isinstance(policy.cast_forward_inputs, bool):
+        raise TypeError(
+            f"mixed_precision: cast_forward_inputs must be a bool; got "
+            f"{type(policy.cast_forward_inputs).__name__} {policy.cast_forward_inputs!r}{where}"
+        )
+    return policy
+
+
+def resolve_policies(
+    value: MixedPrecisionArg, group_names: list[str]
+) -> dict[str, MixedPrecisionPolicy | None]:
+    """Return the policy of every group (``None``: it computes in its own dtype), checked.
+
+    Args:
+        value: one policy for every group, or a mapping ``group name -> policy or None``
+            (groups not named get ``None``).
+        group_names: the storage's group names.
+
+    Raises:
+        TypeError: for anything but a policy or a mapping of them, or a policy
+            field of a wrong type.
+        ValueError: for an unknown group name, a non-floating dtype, or
+            policies that disagree on the registered module's input or output casts.
+    """
+    if isinstance(value, MixedPrecisionPolicy):
+        policies: dict[str, MixedPrecisionPolicy | None] = {
+            name: _check_policy(value, "") for name in group_names
+        }
+    elif isinstance(value, Mapping):
+        policies = dict.fromkeys(group_names)
+        for name, policy in value.items():
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"mixed_precision: a mapping is keyed by group name (str); got "
+                    f"{type(name).__name__} {name!r}; groups are {group_names}"
+                )
+            if name not in policies:
+                raise ValueError(
+                    f"mixed_precision names group {name!r}, which this storage does not have; "
+                    f"groups are {group_names}"
+                )
+            policies[name] = None if policy is None else _check_policy(policy, f" for group {name!r}")
+    else:
+        _check_policy(value, "")
+        raise AssertionError  # unreachable: _check_policy raised
+    _module_casts(policies)
+    return policies
+
+
+def _module_casts(
+    policies: Mapping[str, MixedPrecisionPolicy | None],
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """Return the registered module's input and output dtypes (``None``: no cast); refuse disagreement."""
+    inputs = {
+        p.param_dtype for p in policies.values() if p is not None and p.param_dtype and p.cast_forward_inputs
+    }
+    outputs = {p.output_dtype for p in policies.values() if p is not None and p.output_dtype is not None}
+    for what, found in (("cast_forward_inputs to param_dtype", inputs), ("output_dtype", outputs)):
+        if len(found) > 1:
+            raise ValueError(
+                f"mixed_precision: the groups' policies disagree on {what} for the registered "
+                f"module's forward: {sorted(map(str, found))}; give them one dtype, or set "
+                "cast_forward_inputs=False / output_dtype=None on all but one"
+            )
+    return next(iter(inputs), None), next(iter(outputs), None)
+
+
+@dataclass
+class _ComputeCopy:
+    """One group's compute copy and what it was cast from."""
+
+    dtype: torch.dtype
+    tensor: Tensor | None = None
+    master: Tensor | None = None  # the flat tensor cast last (held: its identity is compared)
+    ptr: int = -1
+    version: int = -1  # the master's ``_version`` when cast
+    own_version: int = -1  # the copy's ``_version`` after the cast (a write into it moves it)
+
+
+#: A float32 -> param_dtype conversion of a whole group (tests count them).
+CASTS = {"groups": 0}
+
+#: Every master that has a compute copy, by ``id`` (for :func:`_after_step`; a ``WeakSet`` would
+#: compare tensors with ``==``).
+_MASTERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+_STEP_HOOK: list[Any] = []
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step post-hook: move the ``_version`` of every stepped master with a compute copy.
+
+    A fused step (``fused=True``) updates parameters in place without moving
+    their version counters; the views and compute copies watch them.
+    """
+    if not _MASTERS:
+        return
+    masters = _MASTERS
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            master = masters.get(id(param))
+            if master is not None and master is param:
+                torch.autograd.graph.increment_version(master)
+
+
+def _watch(master: Tensor) -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_after_step))
+    _MASTERS[id(master)] = master
+
+
+class MixedPrecision:
+    """The mixed-precision feature of a storage: ``FlatStorage.mixed_precision`` reads its policies.
+
+    Args:
+        storage: the coordinator (held weakly).
+        policies: the policy of every group, by group name (see :func:`resolve_policies`).
+    """
+
+    def __init__(self, storage: Coordinator, policies: Mapping[str, MixedPrecisionPolicy | None]) -> None:
+        self._storage_ref = weakref.ref(storage)
+        self.policies = dict(policies)
+        self.input_dtype, self.output_dtype = _module_casts(self.policies)
+        #: Group index -> its compute copy (groups that compute in another dtype only).
+        self._copies: dict[int, _ComputeCopy] = {}
+        for group in storage.groups():
+            policy = self.policies.get(group.name)
+            group.views.grad_buffer.reduce_dtype = None
+            if policy is None or policy.param_dtype is None:
+                continue
+            group.views.grad_buffer.reduce_dtype = policy.reduce_dtype or policy.param_dtype
+            if policy.param_dtype != group.flat.dtype:
+                self._copies[group.index] = _ComputeCopy(policy.param_dtype)
+                group.views.source = self._source_for(group.index)
+                group.views.cast = policy.param_dtype
+                group.views.invalidate()
+        self._hook(storage.module_unchecked)
+
+    @property
+    def _storage(self) -> Coordinator:
+        return storage_of(self._storage_ref)
+
+    # ---------------------------------------------------------------- views
+    def _source_for(self, g: int) -> Callable[[Tensor], Tensor]:
+        ref = weakref.ref(self)
+
+        def source(flat: Tensor) -> Tensor:
+            feature = ref()
+            if feature is None:  # pragma: no cover - the feature lives as long as its core
+                return flat
+            return feature.compute_copy(g, flat)
+
+        return source
+
+    def compute_copy(self, g: int, flat: Tensor) -> Tensor:
+        """Return the tensor that group ``g``'s views are served from when its flat tensor is ``flat``.
+
+        The group's own flat parameter is served from the cached compute copy,
+        cast again only if it changed; another tensor in its place (``using()``,
+        ``functional_call``, FSDP2's unsharded parameter) from a cast of it.
+        """
+        copy = self._copies[g]
+        group = self._storage.groups()[g]
+        if flat is not group.flat:
+            with torch.no_grad():
+                return flat.detach().to(copy.dtype)
+        self._land_written(group, copy)
+        ptr = flat.data_ptr()
+        tensor = copy.tensor
+        if tensor is None or copy.master is not flat or copy.ptr != ptr or tensor.device != flat.device:
+            with torch.inference_mode(False):
+                tensor = copy.tensor = torch.empty(flat.shape, dtype=copy.dtype, device=flat.device)
+            copy.master, copy.ptr, copy.version = flat, ptr, -1
+            _watch(flat)
+        if copy.version != flat._version:
+            with torch.inference_mode(False), torch.no_grad():
+                tensor.copy_(flat.detach())
+            CASTS["groups"] += 1
+            copy.version = flat._version
+            copy.own_version = tensor._version
+        return tensor
+
+    def _land_written(self, group: Group, copy: _ComputeCopy) -> None:
+        """Land values written into the compute copy (through a view, in place) in the master."""
+        tensor, flat = copy.tensor, copy.master
+        if tensor is None or flat is None or tensor._version == copy.own_version:
+            return
+        if flat is not group.flat or copy.ptr != flat.data_ptr() or flat.dtype == copy.dtype:
+            copy.own_version = tensor._version  # the master was replaced since: it wins
+            return
+        if copy.version != flat._version:
+            copy.version, copy.own_version = -1, tensor._version  # cast again: the write is dropped
+            raise RuntimeError(
+                f"an in-place write into a {copy.dtype} view of group '{group.name}' (its compute "
+                f"copy) and a change of the master {group.flat_name} happened between two uses of "
+                "the views, so the write cannot be told apart from the master's change and was "
+                "dropped; write values through the master instead: "
+                "`with torch.no_grad(): storage.views_of(storage.flat_params)[name].copy_(value)`, "
+                "or inside storage.unflattened()"
+            )
+        with torch.no_grad():
+            written = tensor != flat.detach().to(copy.dtype)
+            if bool(written.any()):
+                flat.detach()[written] = tensor[written].to(flat.dtype)  # moves the master's _version
+        copy.own_version = tensor._version
+        copy.version = flat._version  # the copy holds the written values already
+
+    # ------------------------------------------------------------- lifecycle
+    def on_rebacked(self) -> None:
+        """Cast every compute copy again at its next use (the buffers changed behind their counters)."""
+        for copy in self._copies.values():
+            copy.version = -1
+            if copy.tensor is not None:
+                copy.own_version = copy.tensor._version
+
+    def refresh(self) -> None:
+        """Land writes made into a compute copy since the last sync point."""
+        storage = self._storage_ref()
+        if storage is None or not storage.is_flattened:
+            return
+        groups = storage.groups()
+        for g, copy in self._copies.items():
+            if copy.tensor is not None and copy.tensor._version != copy.own_version:
+                self._land_written(groups[g], copy)
+
+    def on_removed(self) -> None:
+        """Forget the compute copies and remove the forward hooks."""
+        storage = self._storage_ref()
+        if storage is not None:
+            for group in storage.groups():
+                group.views.source = None
+                group.views.cast = None
+                group.views.grad_buffer.reduce_dtype = None
+            _unhook(storage.module_unchecked)
+        self._copies.clear()
+
+    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> MixedPrecision:
+        """The copy keeps the policies; its compute copies are cast from its own masters."""
+        return MixedPrecision(storage, self.policies)
+
+    def pickle_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        """Return ``(function, args)`` that composes this feature again on a loaded core."""
+        return restore_mixed_precision, (self.policies,)
+
+    # -------------------------------------------------------------- hooks
+    def _hook(self, module: nn.Module) -> None:
+        _unhook(module)
+        if self.input_dtype is not None:
+            module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+        if self.output_dtype is not None:
+            module.register_forward_hook(_cast_output)
+
+
+def restore_mixed_precision(
+    storage: Coordinator, policies: Mapping[str, MixedPrecisionPolicy | None]
+) -> None:
+    """Compose the mixed-precision feature on ``storage``, a core registered again by unpickling."""
+    storage.add_feature(MixedPrecision(storage, policies))
+
+
+def _unhook(module: nn.Module) -> None:
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if h in (_cast_inputs, _cast_output)]:
+            del hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_with_kwargs.pop(key, None)
+
+
+def _feature_of(module: nn.Module) -> MixedPrecision | None:
+    storage = registered_storage(module)
+    if storage is None or not storage.is_flattened:
+        return None
+    return storage.feature(MixedPrecision)
+
+
+def _cast_to(dtype: torch.dtype, tree: Any) -> Any:
+    return tree_map_only(
+        Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t, tree
+    )
+
+
+def _cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    """Forward pre-hook: floating-point inputs to ``param_dtype`` (FSDP2's ``cast_forward_inputs``)."""
+    feature = _feature_of(module)
+    if feature is None or feature.input_dtype is None:
+        return None
+    return _cast_to(feature.input_dtype, args), _cast_to(feature.input_dtype, kwargs)
+
+
+def _cast_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: floating-point outputs to ``output_dtype``."""
+    feature = _feature_of(module)
+    if feature is None or feature.output_dtype is None:
+        return None
+    return _cast_to(feature.output_dtype, output)
