@@ -200,6 +200,32 @@ class FlatParameter(nn.Parameter):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"FlatParameter({len(self._names)} tensors) containing:\n" + torch.Tensor.__repr__(self)
 
+    def detach(self) -> FlatParameter:
+        """Return a ``FlatParameter`` with this layout over the same storage, without history.
+
+        torch requires ``detach()`` of a ``Parameter`` subclass to keep its type, so that
+        ``nn.Parameter(flat)`` works (tensordict's ``to_module`` wraps parameters again so).
+        """
+        return self._over(torch.Tensor.detach(self), False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> FlatParameter:
+        """Set ``requires_grad`` as torch does; inside a functorch transform, on a new alias.
+
+        ``nn.Parameter(flat)`` sets the flag on a fresh detached copy, which torch refuses
+        inside ``vmap`` for any tensor; the copy has no history, so an alias with the flag
+        set (as ``nn.Parameter`` makes for a plain tensor) stands in for it there.
+        """
+        if torch._C._functorch.maybe_current_level() is None or torch._C._functorch.is_batchedtensor(self):
+            return torch.Tensor.requires_grad_(self, requires_grad)  # type: ignore[return-value]
+        return self._over(torch.Tensor.detach(self), requires_grad)
+
+    def _over(self, data: torch.Tensor, requires_grad: bool) -> FlatParameter:
+        out = torch.Tensor._make_subclass(FlatParameter, data, requires_grad)
+        out._names, out._shapes, out._numels, out._offsets = (
+            self._names, self._shapes, self._numels, self._offsets
+        )
+        return out
+
     def __reduce_ex__(self, proto: Any) -> tuple[Any, ...]:
         return (
             rebuild_flat_parameter,

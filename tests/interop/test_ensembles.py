@@ -90,13 +90,44 @@ def test_a_failure_inside_vmap_leaves_the_base_model_as_it_was():
     assert list(after) == list(state) and all(torch.equal(after[k], v) for k, v in state.items())
 
 
-def test_a_failed_tensordict_to_module_inside_vmap_leaves_the_base_model_as_it_was():
-    """tensordict's to_module inside vmap: if its exit raises, the base model works unchanged.
+def _tensordict_ensemble(models: list[nn.Module], x: torch.Tensor):
+    """tensordict's ensembling recipe: from_modules, then to_module of each slice inside vmap."""
+    params = TensorDict.from_modules(*models).detach().requires_grad_()
+    base = models[0]
 
-    tensordict 0.15 rebuilds an nn.Parameter of a parameter subclass at the exit of
-    ``to_module`` inside vmap, which torch refuses (``requires_grad_()`` inside a functorch
-    transform): the library puts the flat parameter back in place of the stale batched tensor.
+    def call(p, inp):
+        with p.to_module(base):
+            return base(inp)
+
+    out = vmap(call, (0, None))(params, x)
+    out.pow(2).sum().backward()
+    return out, params
+
+
+def test_tensordict_from_modules_vmap_to_module_matches_the_plain_ensemble():
+    """from_modules + vmap + to_module: the plain ensemble's outputs and gradients; the base still works.
+
+    tensordict wraps each swapped-back parameter in a new ``nn.Parameter`` at the exit of
+    ``to_module``, inside vmap: ``nn.Parameter(flat)`` works there too.
     """
+    plains, flats = _twins()
+    x = torch.randn(6, 4)
+    plain_out, plain_params = _tensordict_ensemble(plains, x)
+    flat_out, flat_params = _tensordict_ensemble(flats, x)
+    assert torch.equal(flat_out, plain_out)
+    storage = get_flat_storage(flats[0])
+    stacked_grad = flat_params["flat_param_0"].grad
+    for member in range(2):
+        for name, grad in storage.views_of([stacked_grad[member]]).items():
+            assert torch.equal(grad, plain_params.get(tuple(name.split("."))).grad[member]), name
+    base = flats[0]
+    assert base._parameters["flat_param_0"] is storage.flat_params[0]
+    assert torch.equal(base(x), plains[0](x))
+    assert list(base.state_dict()) == list(plains[0].state_dict())
+
+
+def test_a_failure_inside_tensordict_to_module_in_vmap_leaves_the_base_model_as_it_was():
+    """A forward that raises inside ``to_module`` inside vmap: the base model works unchanged."""
     _, flats = _twins()
     base = flats[0]
     td = TensorDict.from_modules(*flats)
@@ -106,9 +137,9 @@ def test_a_failed_tensordict_to_module_inside_vmap_leaves_the_base_model_as_it_w
 
     def call(p, inp):
         with p.to_module(base):
-            return base(inp)
+            return base(inp[:, :3])  # 3 features for a Linear(4, 5): the forward raises
 
-    with pytest.raises(RuntimeError, match="requires_grad_"):
+    with pytest.raises(RuntimeError, match="batch2 tensor"):
         vmap(call, (0, None))(td, x)
     torch.testing.assert_close(base(x), before)
     after = base.state_dict()

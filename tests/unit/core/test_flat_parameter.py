@@ -117,3 +117,30 @@ def test_new_pickles_name_the_stable_path():
     torch.save(register_flat_storage(nn.Linear(2, 2))["0"], buffer)
     assert b"flatten_parametrize._flat_parameter" in buffer.getvalue()
     assert b"flatten_parametrize._core" not in buffer.getvalue()
+
+
+def test_detach_keeps_the_type_and_layout_over_the_same_storage():
+    """torch requires ``detach()`` of a Parameter subclass to keep its type (``nn.Parameter`` checks)."""
+    flat = _example()
+    out = flat.detach()
+    assert type(out) is FlatParameter and out.metadata() == flat.metadata()
+    assert out.data_ptr() == flat.data_ptr() and not out.requires_grad and out.grad_fn is None
+
+
+@pytest.mark.parametrize("in_vmap", [False, True])
+def test_nn_parameter_of_a_flat_parameter_is_a_flat_parameter_over_the_same_storage(in_vmap):
+    """``nn.Parameter(flat)`` (tensordict calls it at the exit of ``to_module``, inside vmap too)."""
+    flat = _example()
+    made = []
+
+    def wrap(x):
+        made.append(nn.Parameter(flat))
+        return x * 2
+
+    if in_vmap:
+        torch.func.vmap(wrap)(torch.ones(3, 2))
+    else:
+        wrap(torch.ones(2))
+    (param,) = made
+    assert type(param) is FlatParameter and param.metadata() == flat.metadata()
+    assert param.data_ptr() == flat.data_ptr() and param.requires_grad and param.is_leaf
