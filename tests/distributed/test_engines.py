@@ -285,11 +285,34 @@ def test_model_parallel_strategy_resumes_its_distributed_checkpoint(model_parall
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_single_file_checkpoint_resumes_the_plain_model(model_parallel):
-    """save_distributed_checkpoint=False works for the plain model (the flattened one is not supported)."""
+def test_model_parallel_strategy_single_file_checkpoint_of_a_flattened_model_is_the_plain_ones(model_parallel):
+    """save_distributed_checkpoint=False: the plain model's keys, optimizer state by the plain positions."""
     for result in model_parallel:
-        assert result["plain full"] is None
-        assert "flat full" not in result
+        plain, flat = result["plain full file"], result["flat full file"]
+        assert list(flat["state_dict"]) == list(plain["state_dict"]) == [
+            "model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias",
+        ]  # fmt: skip
+        for key, value in plain["state_dict"].items():
+            torch.testing.assert_close(flat["state_dict"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+        (plain_osd,), (flat_osd,) = plain["optimizer_states"], flat["optimizer_states"]
+        assert list(flat_osd["state"]) == list(plain_osd["state"]) == [0, 1, 2, 3]
+        assert flat_osd["param_groups"] == plain_osd["param_groups"]
+        for index, state in plain_osd["state"].items():
+            assert list(flat_osd["state"][index]) == list(state)
+            for key, value in state.items():
+                torch.testing.assert_close(flat_osd["state"][index][key], value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["plain", "flat"])
+@pytest.mark.parametrize("form", ["plain", "flat"])
+def test_model_parallel_strategy_resumes_a_single_file_checkpoint_in_either_form(model_parallel, source, form):
+    """Resumed from the step-4 single file of either form, 2 more steps give the plain uninterrupted run."""
+    for result in model_parallel:
+        resumed, uninterrupted = result[f"{source} full -> {form}"], result["plain 6"]
+        assert resumed["steps"] == [(4, 0), (5, 1)]
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(resumed["weights"][key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
 # ---------------------------------------------------------------------- DeepSpeed (2 CPU ranks)
