@@ -42,7 +42,7 @@ __version__ = "0.1.0.dev0"
 
 # torch.distributed.checkpoint's state dicts see a flattened storage as the plain model (_distributed/dcp.py).
 _install_dcp()
-# Lightning's single-file checkpoints (and FSDP's rekey_optim_state_dict) too (_distributed/lightning_ckpt.py).
+# Lightning's single-file checkpoints and FSDP's rekey_optim_state_dict too (_distributed/lightning_ckpt.py).
 _install_lightning_ckpt()
 
 __all__ = [

@@ -81,7 +81,7 @@ RESUMES_OTHER = [(name, "flat-ddp") for name in SOURCES] + [
     ("flat-zero2", "plain-ddp"), ("plain-ddp", "flat-zero2"), ("plain-fsdp2", "flat-zero1"),
     ("plain-ddp", "flat-fsdp2"), ("flat-zero1", "plain-fsdp2"),
 ]  # fmt: skip
-#: Full state dicts (``get_state_dict(..., full_state_dict=True, cpu_offload=True)``, ``torch.save`` on rank 0)
+#: Full state dicts (``get_state_dict(..., full_state_dict=True, cpu_offload=True)``, saved by rank 0)
 #: loaded with ``broadcast_from_rank0=True`` on 2 ranks: (source, target, how, strict). ``how``: "rank 0 only"
 #: (``set_model_state_dict`` then ``set_optimizer_state_dict``, the other ranks given empty dicts), or
 #: "set_state_dict" (every rank loads the file, as Lightning does; only rank 0's values count).
@@ -227,7 +227,8 @@ def _resume(outdir: Path, source: str, target: str) -> dict[str, Any]:
 def _resume_broadcast(outdir: Path, source: str, target: str, how: str, strict: bool) -> dict[str, Any]:
     model, net, optimizer = _build(target)
     rank0 = dist.get_rank() == 0
-    model_sd, optim_sd = torch.load(outdir / "full" / f"{source}.pt", weights_only=False) if rank0 else ({}, {})
+    path = outdir / "full" / f"{source}.pt"
+    model_sd, optim_sd = torch.load(path, weights_only=False) if rank0 else ({}, {})
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     try:
         if how == "rank 0 only":
@@ -235,12 +236,15 @@ def _resume_broadcast(outdir: Path, source: str, target: str, how: str, strict: 
             set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
         else:
             if not rank0:  # the other ranks' copies: zeros of the same entries (broadcast overwrites them)
-                model_sd, optim_sd = torch.load(outdir / "full" / f"{source}.pt", weights_only=False)
+                model_sd, optim_sd = torch.load(path, weights_only=False)
                 model_sd = {k: torch.zeros_like(v) for k, v in model_sd.items()}
                 optim_sd["state"] = {
-                    k: {n: torch.zeros_like(v) for n, v in entry.items()} for k, entry in optim_sd["state"].items()
+                    k: {n: torch.zeros_like(v) for n, v in entry.items()}
+                    for k, entry in optim_sd["state"].items()
                 }
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+            set_state_dict(
+                model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+            )
     except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"}
     loaded = _weights(net)
@@ -249,7 +253,7 @@ def _resume_broadcast(outdir: Path, source: str, target: str, how: str, strict: 
 
 
 def _broadcast_refused(outdir: Path) -> list[str]:
-    """Rank 0's full dict cannot become one flat state (unequal ``step``\\ s in a group): each rank's error."""
+    """Rank 0's dict cannot become one flat state (unequal ``step``\\ s in a group): each rank's error."""
     model, _, optimizer = _build("flat-fsdp2")
     rank0 = dist.get_rank() == 0
     optim_sd: dict[str, Any] = {}

@@ -42,7 +42,10 @@ __all__ = ["install"]
 #: The FSDP module whose ``FullyShardedDataParallel.rekey_optim_state_dict`` is wrapped.
 FSDP_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 #: Lightning's modules whose ``_load_raw_module_state`` is wrapped (the unified and the standalone package).
-LIGHTNING_MODULES = ("lightning.fabric.strategies.model_parallel", "lightning_fabric.strategies.model_parallel")
+LIGHTNING_MODULES = (
+    "lightning.fabric.strategies.model_parallel",
+    "lightning_fabric.strategies.model_parallel",
+)
 #: Attribute marking a wrapped function (with the original as its value).
 _MARK = "__flatten_parametrize_original__"
 
@@ -62,7 +65,7 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _plain_names(model: nn.Module) -> list[str] | None:
-    """Return the plain model's ``named_parameters()`` names of ``model``; ``None`` without a flattened storage."""
+    """Return the plain model's ``named_parameters()`` names of ``model`` (``None``: nothing flattened)."""
     storages = _storages(model)
     if not storages:
         return None
@@ -89,9 +92,12 @@ def _rekey(original: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        names = None if optim_input is not None or optim is not None or args or kwargs else _plain_names(model)
+        explicit = optim_input is not None or optim is not None or args or kwargs
+        names = None if explicit else _plain_names(model)
         if names is None:
-            return original(optim_state_dict, optim_state_key_type, model, optim_input, optim, *args, **kwargs)
+            return original(
+                optim_state_dict, optim_state_key_type, model, optim_input, optim, *args, **kwargs
+            )
         from torch.distributed.fsdp import OptimStateKeyType
 
         keys = list(optim_state_dict["state"])
@@ -180,11 +186,11 @@ def _patch_lightning(module: ModuleType) -> None:
         return  # another Lightning: leave it as it is
     current = module._load_raw_module_state
     if getattr(current, _MARK, None) is None:
-        module._load_raw_module_state = _load_raw(current, module)
+        module._load_raw_module_state = _load_raw(current, module)  # type: ignore[attr-defined]
 
 
 def install() -> None:
-    """Make FSDP's re-keying and Lightning's full-checkpoint loader see flattened storages as the plain model."""
+    """Make FSDP's re-keying and Lightning's single-file loader see flattened storages as plain models."""
     if not torch.distributed.is_available():
         return
     when_imported(FSDP_MODULE, _patch_fsdp)
