@@ -32,6 +32,7 @@ from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
 from ._decay import weight_decay_groups
 from ._distributed.dcp import install as _install_dcp
+from ._distributed.lightning_ckpt import install as _install_lightning_ckpt
 from ._distributed.sharded import ShardedOptimizer
 from ._state.attach_optim import OptimizerAttachment
 from ._state.optim import flat_optim_state_dict, plain_optim_state_dict
@@ -41,6 +42,8 @@ __version__ = "0.1.0.dev0"
 
 # torch.distributed.checkpoint's state dicts see a flattened storage as the plain model (_distributed/dcp.py).
 _install_dcp()
+# Lightning's single-file checkpoints and FSDP's rekey_optim_state_dict too (_distributed/lightning_ckpt.py).
+_install_lightning_ckpt()
 
 __all__ = [
     # entry points

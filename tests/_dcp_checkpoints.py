@@ -35,6 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
@@ -79,6 +81,16 @@ RESUMES_OTHER = [(name, "flat-ddp") for name in SOURCES] + [
     ("flat-zero2", "plain-ddp"), ("plain-ddp", "flat-zero2"), ("plain-fsdp2", "flat-zero1"),
     ("plain-ddp", "flat-fsdp2"), ("flat-zero1", "plain-fsdp2"),
 ]  # fmt: skip
+#: Full state dicts (``get_state_dict(..., full_state_dict=True, cpu_offload=True)``, saved by rank 0)
+#: loaded with ``broadcast_from_rank0=True`` on 2 ranks: (source, target, how, strict). ``how``: "rank 0 only"
+#: (``set_model_state_dict`` then ``set_optimizer_state_dict``, the other ranks given empty dicts), or
+#: "set_state_dict" (every rank loads the file, as Lightning does; only rank 0's values count).
+BROADCASTS = [
+    (source, target, how, strict)
+    for source in ("plain-fsdp2", "flat-fsdp2")
+    for target in ("plain-fsdp2", "flat-fsdp2")
+    for how, strict in (("rank 0 only", True), ("set_state_dict", False))
+]
 #: Checkpoints of ``model.state_dict()`` alone (dcp.save / dcp.load in place), and where they load.
 WEIGHTS = ["plain-ddp", "flat-ddp"]
 
@@ -188,6 +200,12 @@ def _save_all(outdir: Path, result: dict[str, Any]) -> None:
             dcp.save(state, checkpoint_id=str(path))
         dist.barrier()
         result[f"tensors {name}"] = _optim_tensors(path)
+        if any(source == name for source, *_ in BROADCASTS):
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full_state = get_state_dict(model, optimizer, options=options)
+            if dist.get_rank() == 0:
+                (outdir / "full").mkdir(exist_ok=True)
+                torch.save(full_state, outdir / "full" / f"{name}.pt")
         if name in WEIGHTS:
             dcp.save({"model": model.state_dict()}, checkpoint_id=str(outdir / "weights" / name))
     dist.barrier()
@@ -204,6 +222,53 @@ def _resume(outdir: Path, source: str, target: str) -> dict[str, Any]:
     loaded = _weights(net)
     losses = [_step(model, optimizer, step) for step in range(SAVED_AT, STEPS)]
     return {"loaded": loaded, "losses": losses, "weights": _weights(net)}
+
+
+def _resume_broadcast(outdir: Path, source: str, target: str, how: str, strict: bool) -> dict[str, Any]:
+    model, net, optimizer = _build(target)
+    rank0 = dist.get_rank() == 0
+    path = outdir / "full" / f"{source}.pt"
+    model_sd, optim_sd = torch.load(path, weights_only=False) if rank0 else ({}, {})
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    try:
+        if how == "rank 0 only":
+            set_model_state_dict(model, model_sd, options=options)
+            set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+        else:
+            if not rank0:  # the other ranks' copies: zeros of the same entries (broadcast overwrites them)
+                model_sd, optim_sd = torch.load(path, weights_only=False)
+                model_sd = {k: torch.zeros_like(v) for k, v in model_sd.items()}
+                optim_sd["state"] = {
+                    k: {n: torch.zeros_like(v) for n, v in entry.items()}
+                    for k, entry in optim_sd["state"].items()
+                }
+            set_state_dict(
+                model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+            )
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    loaded = _weights(net)
+    losses = [_step(model, optimizer, step) for step in range(SAVED_AT, STEPS)]
+    return {"loaded": loaded, "losses": losses, "weights": _weights(net)}
+
+
+def _broadcast_refused(outdir: Path) -> list[str]:
+    """Rank 0's dict cannot become one flat state (unequal ``step``\\ s in a group): each rank's error."""
+    model, _, optimizer = _build("flat-fsdp2")
+    rank0 = dist.get_rank() == 0
+    optim_sd: dict[str, Any] = {}
+    if rank0:
+        _, optim_sd = torch.load(outdir / "full" / "plain-fsdp2.pt", weights_only=False)
+        optim_sd["state"]["0.bias"]["step"] = optim_sd["state"]["0.bias"]["step"] + 1
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    try:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
+        error = "loaded"
+    except Exception as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return errors
 
 
 def _weights_only(outdir: Path, source: str, target: str) -> dict[str, Any]:
@@ -232,6 +297,11 @@ def main(outdir: Path, mode: str) -> None:
         resumes = RESUMES_OTHER
     for source, target in resumes:
         result[f"resume {source} -> {target}"] = _resume(outdir, source, target)
+    if mode == "save":
+        for source, target, how, strict in BROADCASTS:
+            key = f"resume {source} -> {target}, broadcast_from_rank0, {how}, strict={strict}"
+            result[key] = _resume_broadcast(outdir, source, target, how, strict)
+        result["broadcast refused"] = _broadcast_refused(outdir)
     for source in WEIGHTS:
         for target in WEIGHTS:
             result[f"weights {source} -> {target}"] = _weights_only(outdir, source, target)

@@ -14,8 +14,9 @@ Run by ``tests/distributed/test_fsdp2_checkpoints.py`` with the real launcher, t
 - ``"checkpoints"``: 3 SGD steps, then the model saved three ways (``dcp.save`` of ``model.state_dict()``,
   ``dcp.save`` of ``get_model_state_dict``, ``torch.save`` of the full state dict), 2 more steps (the
   uninterrupted run: losses and weights); then every checkpoint loaded into a fresh model of each form
-  (``load_state_dict`` after ``dcp.load``, ``set_model_state_dict`` sharded and full): the weights after
-  loading, 2 more steps (losses and weights).
+  (``load_state_dict`` after ``dcp.load``, ``set_model_state_dict`` sharded, full, and full with
+  ``broadcast_from_rank0=True`` from rank 0's dict alone): the weights after loading, 2 more steps
+  (losses and weights).
 
 ``load`` (1 rank): the same checkpoints loaded into each form under ``fully_shard`` on one rank and
 into models without FSDP, then 2 steps on both ranks' batches at once (FSDP2 averages the ranks'
@@ -54,6 +55,7 @@ LOADS = {  # how a checkpoint is loaded -> the checkpoint it reads
     "load_state_dict": "state_dict",
     "set_model_state_dict": "sharded",
     "full": "full",
+    "broadcast_from_rank0": "full",  # rank 0 holds the full dict, the other ranks an empty one
 }
 LR = 0.1
 
@@ -246,9 +248,13 @@ def load_sharded(model: nn.Module, how: str, path: Path) -> None:
         sd = get_model_state_dict(model)
         dcp.load(sd, checkpoint_id=path)
         set_model_state_dict(model, sd)
-    else:
+    elif how == "full":
         full_sd = torch.load(path.with_suffix(".pt"), weights_only=True)
         set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True))
+    else:
+        full_sd = torch.load(path.with_suffix(".pt"), weights_only=True) if dist.get_rank() == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_sd, options=options)
 
 
 # --------------------------------------------------------------------------------------- load

@@ -6,9 +6,11 @@ tests/_model_parallel.py OUTDIR``. For the plain and the flattened model (regist
 
 - ``"<form> 6"``: 6 steps, a distributed checkpoint after step 4 (``ModelCheckpoint``);
 - ``"<form> resumed"``: a new trainer resumed from that checkpoint to step 6;
-- ``"plain full"``: ``None`` once the plain model resumed from a single-file checkpoint
-  (``save_distributed_checkpoint=False``); the flattened model does not save one (Lightning re-keys its
-  optimizer state by ``named_parameters()`` on rank 0, which raises ``KeyError`` there alone).
+- ``"<form> full file"``: what the single-file checkpoint (``save_distributed_checkpoint=False``) written
+  after step 4 holds: its ``state_dict`` and ``optimizer_states`` (Lightning keys the optimizer state by
+  parameter position);
+- ``"<source> full -> <form>"``: a new trainer of ``<form>`` resumed from ``<source>``'s single-file
+  checkpoint to step 6 (each form from its own and from the other's).
 
 Each rank saves ``OUTDIR/result<rank>.pt``: the full tensors of ``model.state_dict()`` and the
 steps each run trained (global step, batch index).
@@ -96,12 +98,13 @@ def main(outdir: Path) -> None:
         ckpt = outdir / f"{form}-ckpt"
         result[f"{form} 6"] = _fit(flat, ckpt_dir=ckpt)
         result[f"{form} resumed"] = _fit(flat, resume=ckpt / "step.ckpt")
-        if flat:  # refused at the save, on rank 0 only (see test_engines.py): not run, or rank 1 would wait
-            continue
-        full = outdir / f"{form}-full"
-        _fit(flat, ckpt_dir=full, distributed=False)
-        _fit(flat, resume=full / "step.ckpt")
-        result[f"{form} full"] = None
+        _fit(flat, ckpt_dir=outdir / f"{form}-full", distributed=False)
+        saved = torch.load(outdir / f"{form}-full" / "step.ckpt", weights_only=False)
+        result[f"{form} full file"] = {key: saved[key] for key in ("state_dict", "optimizer_states")}
+    for flat in (False, True):
+        for source in ("plain", "flat"):
+            resume = outdir / f"{source}-full" / "step.ckpt"
+            result[f"{source} full -> {'flat' if flat else 'plain'}"] = _fit(flat, resume=resume)
     torch.save(result, outdir / f"result{os.environ['RANK']}.pt")
 
 

@@ -39,10 +39,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -55,6 +51,7 @@ from torch import Tensor, nn
 
 from .._core.names import flat_param_name, registered_storage
 from .._state.attach_optim import own_format
+from .on_import import when_imported
 from .sharded import ShardedOptimizer
 
 __all__ = ["install"]
@@ -361,17 +358,43 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
 def _load_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
     def wrapper(model: nn.Module, optimizers: tuple[Any, ...], state_dict: Any, info: Any) -> None:
         flats = _flats(dsd, model) if _converting() and info.handle_optim else []
+        error: Exception | None = None
         if flats and state_dict:
-            if "state" not in state_dict:
-                names = [m[0] for f in flats for m in f.members]
-                names += [n for n, _ in model.named_parameters()]
-                names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
-                state_dict = _nest(state_dict, names)
-            state_dict = _to_flat(state_dict, flats, info.strict)
+            try:
+                if "state" not in state_dict:
+                    names = [m[0] for f in flats for m in f.members]
+                    names += [n for n, _ in model.named_parameters()]
+                    names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
+                    state_dict = _nest(state_dict, names)
+                state_dict = _to_flat(state_dict, flats, info.strict)
+            except (ValueError, RuntimeError) as caught:
+                error = caught
+        if flats and info.broadcast_from_rank0:
+            _agree(error)  # the other ranks would wait in torch's broadcast of rank 0's state
+        elif error is not None:
+            raise error
         with _flat_names(optimizers):
             original(model, optimizers, state_dict, info)
 
     return wrapper
+
+
+def _agree(error: Exception | None) -> None:
+    """Raise on every rank when the conversion failed on one (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else (type(error), str(error)))
+    if error is not None:
+        raise error
+    for rank, found in enumerate(errors):
+        if found is not None:
+            kind, message = found
+            raise kind(f"set_state_dict failed on rank {rank}, so on every rank: {message}")
 
 
 _WRAPPERS: dict[str, Callable[[Callable[..., Any], ModuleType], Callable[..., Any]]] = {
@@ -396,35 +419,8 @@ def _patch(dsd: ModuleType) -> None:
         setattr(dsd, name, wrapped)
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Wrap DCP's ``state_dict`` module right after it is first imported (importing it costs ~0.7 s)."""
-
-    def find_spec(
-        self, fullname: str, path: Any, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != TARGET:
-            return None
-        sys.meta_path.remove(self)  # the real finders find it; only its loader's exec_module is wrapped
-        spec = importlib.util.find_spec(fullname)
-        loader = None if spec is None else spec.loader
-        exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
-            return spec
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            _patch(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign,union-attr]  # this spec's own
-        return spec
-
-
 def install() -> None:
     """Make DCP see flattened storages as the plain model: wrap its module now, or when it is imported."""
     if not torch.distributed.is_available():
         return
-    loaded = sys.modules.get(TARGET)
-    if loaded is not None:
-        _patch(loaded)
-    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    when_imported(TARGET, _patch)

@@ -28,7 +28,7 @@ from .._core.names import core_behind, flat_param_name
 if TYPE_CHECKING:
     from .._core.records import Coordinator, ParamInfo, PublicStorage
 
-__all__ = ["flat_optim_state_dict", "plain_optim_state_dict"]
+__all__ = ["flat_optim_state_dict", "plain_optim_state_dict", "plain_parameter_names"]
 
 
 class _Flat:
@@ -95,6 +95,11 @@ class _Model:
                     seen.add(id(target))
                     out.append((f"{prefix}.{name}" if prefix else name, target))
         return out
+
+
+def plain_parameter_names(storage: Coordinator) -> list[str]:
+    """Return the names that the plain model's ``named_parameters()`` yields under ``storage.module``."""
+    return [name for name, _ in _Model(storage).plain]
 
 
 def _shape(target: _Target) -> tuple[int, ...]:

@@ -155,6 +155,24 @@ def test_every_checkpoint_resumes_across_forms_and_engines_like_the_uninterrupte
 
 
 @pytest.mark.slow
+def test_broadcast_from_rank0_loads_fsdp2_model_and_optimizer_in_either_form(runs):
+    """full_state_dict=True, broadcast_from_rank0=True: rank 0's full dicts resume either form under FSDP2
+    (strict both ways; the other ranks given empty dicts, or zeros that the broadcast overwrites)."""
+    keys = [k for k in runs[2] if "broadcast_from_rank0" in k]
+    assert len(keys) == 8
+    assert _resumes(runs, world=2, match="broadcast_from_rank0") == []
+
+
+@pytest.mark.slow
+def test_broadcast_from_rank0_refusal_raises_on_every_rank(runs):
+    """A rank-0 dict that cannot become one flat state raises on every rank, not on rank 0 alone (a hang)."""
+    errors = runs[2]["broadcast refused"]
+    assert len(errors) == 2
+    assert all(e.startswith("ValueError: ") and "needs equal scalar optimizer state" in e for e in errors)
+    assert "set_state_dict failed on rank 0, so on every rank" in errors[1]
+
+
+@pytest.mark.slow
 def test_dcp_of_model_state_dict_loads_in_place_across_forms(runs):
     """dcp.save(model.state_dict()) / dcp.load into model.state_dict(): the views take the values."""
     reference = runs[2]["reference"]

@@ -240,6 +240,46 @@ def test_fsdp2_state_dicts_load_across_forms(fsdp2, how, src, dst):
 # ------------------------------------------------------------ Lightning ModelParallelStrategy
 
 
+def _outer(seed: int = 0) -> nn.Module:
+    """A flattenable body between two ordinary layers; its biases stay ordinary when only weights are flat."""
+    torch.manual_seed(seed)
+    model = nn.Module()
+    model.pre, model.body, model.post = nn.Linear(2, 4), mlp(depth=2, width=4, seed=seed), nn.Linear(4, 2)
+    return model
+
+
+def test_fsdp_rekey_optim_state_dict_numbers_a_flattened_model_like_the_plain_one():
+    """FSDP.rekey_optim_state_dict (Lightning's full checkpoint calls it): the plain model's ids and names."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    plain, flat = _outer(), _outer()
+    register_flat_storage(flat.body, ["*.weight"])  # biases interleave as ordinary parameters
+    opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    plain.post(plain.body(plain.pre(torch.randn(3, 2)))).sum().backward()
+    opt.step()
+    by_id = opt.state_dict()
+    by_name = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, plain)
+    assert list(by_name["state"])[:3] == ["pre.weight", "pre.bias", "body.0.weight"]
+    for key_type, osd in ((OptimStateKeyType.PARAM_ID, by_name), (OptimStateKeyType.PARAM_NAME, by_id)):
+        expected = FSDP.rekey_optim_state_dict(osd, key_type, plain)
+        got = FSDP.rekey_optim_state_dict(osd, key_type, flat)
+        assert list(got["state"]) == list(expected["state"])
+        assert all(got["state"][k] is v for k, v in expected["state"].items())
+        assert got["param_groups"] == expected["param_groups"]
+
+
+def test_fsdp_rekey_optim_state_dict_names_a_parameter_the_flattened_model_lacks():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    flat = _outer()
+    register_flat_storage(flat.body)
+    osd = {"state": {"body.9.weight": {}}, "param_groups": [{"lr": 0.1, "params": ["body.9.weight"]}]}
+    with pytest.raises(KeyError, match=r"'body.9.weight' is none of its 8 parameters \(pre.weight, pre.bias"):
+        FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, flat)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -285,11 +325,34 @@ def test_model_parallel_strategy_resumes_its_distributed_checkpoint(model_parall
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_single_file_checkpoint_resumes_the_plain_model(model_parallel):
-    """save_distributed_checkpoint=False works for the plain model (the flattened one is not supported)."""
+def test_model_parallel_strategy_single_file_checkpoint_of_a_flattened_model_is_the_plain_one(model_parallel):
+    """save_distributed_checkpoint=False: the plain model's keys, optimizer state by the plain positions."""
     for result in model_parallel:
-        assert result["plain full"] is None
-        assert "flat full" not in result
+        plain, flat = result["plain full file"], result["flat full file"]
+        assert list(flat["state_dict"]) == list(plain["state_dict"]) == [
+            "model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias",
+        ]  # fmt: skip
+        for key, value in plain["state_dict"].items():
+            torch.testing.assert_close(flat["state_dict"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+        (plain_osd,), (flat_osd,) = plain["optimizer_states"], flat["optimizer_states"]
+        assert list(flat_osd["state"]) == list(plain_osd["state"]) == [0, 1, 2, 3]
+        assert flat_osd["param_groups"] == plain_osd["param_groups"]
+        for index, state in plain_osd["state"].items():
+            assert list(flat_osd["state"][index]) == list(state)
+            for key, value in state.items():
+                torch.testing.assert_close(flat_osd["state"][index][key], value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["plain", "flat"])
+@pytest.mark.parametrize("form", ["plain", "flat"])
+def test_model_parallel_strategy_resumes_a_single_file_checkpoint_across_forms(model_parallel, source, form):
+    """Resumed from the step-4 single file of either form, 2 more steps give the plain uninterrupted run."""
+    for result in model_parallel:
+        resumed, uninterrupted = result[f"{source} full -> {form}"], result["plain 6"]
+        assert resumed["steps"] == [(4, 0), (5, 1)]
+        for key, value in uninterrupted["weights"].items():
+            torch.testing.assert_close(resumed["weights"][key], value, rtol=1e-6, atol=1e-6, msg=key)
 
 
 # ---------------------------------------------------------------------- DeepSpeed (2 CPU ranks)

@@ -27,7 +27,7 @@ ROOT = TESTS.parent
 GETTERS = ["model.state_dict()", "get_model_state_dict", "get_model_state_dict, full", "flat_state_dict()"]
 MODES = ["grad", "no_grad", "inference_mode"]
 FORMS = ["plain", "flat"]
-HOWS = ["load_state_dict", "set_model_state_dict", "full"]
+HOWS = ["load_state_dict", "set_model_state_dict", "full", "broadcast_from_rank0"]
 TOL = {"rtol": 0.0, "atol": 1e-6}
 
 
