@@ -139,9 +139,9 @@ def _scenario_divided_in_backward(rank: int, world: int) -> dict[str, Any]:
     ops: list[str] = []
     real = _distributed._all_reduce
 
-    def record(grad: torch.Tensor, group: Any, world: int, op: str) -> Any:
+    def record(grad: torch.Tensor, group: Any, world: int, op: str, *rest: Any) -> Any:
         ops.append(op)
-        return real(grad, group, world, op)
+        return real(grad, group, world, op, *rest)
 
     _distributed._all_reduce = record
     try:
