@@ -14,12 +14,16 @@ re-exported here). Dependencies run one way, downwards in this list, and
   ``_decay.py`` (``weight_decay_groups``), ``_flat_parameter.py`` (the stable
   pickle path), ``_demo.py``;
 * ``_distributed/``: gradient sync and ``ShardedOptimizer`` with its
-  checkpoints; ``_features/``: disk backing and ensembles;
+  checkpoints, and what lets ``torch.distributed.checkpoint`` and Lightning's
+  checkpoints see a flattened storage as the plain model (installed when
+  those modules are imported); ``_features/``: disk backing, ensembles and
+  mixed precision;
   ``_inspect/``: summary, repr and plot. Each uses ``_core`` (and
   ``_distributed`` uses ``_state``), never ``_install`` or each other;
 * ``_install/``: registration and the module surgery: the private coordinator
   core, the injected classes, flatten/unflatten, install/remove, pickling and
-  deep copy, grouping;
+  deep copy, grouping, laying groups out again (model operations that change
+  shapes or ties);
 * ``_state/``: state dicts (both forms, atomic loads), state-dict aliases,
   optimizer-state conversion and ``attach_optimizer``;
 * ``_core/``: what everything else stands on: names, layout, records and

@@ -43,11 +43,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
@@ -55,10 +54,13 @@ from .._core.features import Coordinator, storage_of
 from .._core.names import registered_storage
 from .._core.records import Group
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
 __all__ = ["MixedPrecision", "MixedPrecisionArg", "resolve_policies"]
 
 #: What ``register_flat_storage(mixed_precision=...)`` accepts.
-MixedPrecisionArg = Union[MixedPrecisionPolicy, Mapping[str, Union[MixedPrecisionPolicy, None]], None]
+MixedPrecisionArg = Union["MixedPrecisionPolicy", Mapping[str, Union["MixedPrecisionPolicy", None]], None]
 
 _FIX = "pass e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16) from torch.distributed.fsdp"
 
@@ -78,8 +80,15 @@ def _check_dtype(field: str, value: Any, where: str) -> None:
         )
 
 
+def _policy_class() -> type[MixedPrecisionPolicy]:
+    # Imported on first use: torch.distributed.fsdp costs about 0.7 s to import.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy
+
+
 def _check_policy(policy: Any, where: str) -> MixedPrecisionPolicy:
-    if not isinstance(policy, MixedPrecisionPolicy):
+    if not isinstance(policy, _policy_class()):
         raise TypeError(
             "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, or a mapping "
             f"group name -> MixedPrecisionPolicy or None; got {type(policy).__name__} {policy!r}{where}; "
@@ -111,7 +120,7 @@ def resolve_policies(
         ValueError: for an unknown group name, a non-floating dtype, or
             policies that disagree on the registered module's input or output casts.
     """
-    if isinstance(value, MixedPrecisionPolicy):
+    if isinstance(value, _policy_class()):
         policies: dict[str, MixedPrecisionPolicy | None] = {
             name: _check_policy(value, "") for name in group_names
         }
