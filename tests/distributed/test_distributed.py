@@ -651,9 +651,9 @@ def equal_ranks(world1, monkeypatch) -> list[str]:
         tensor.mul_(2)  # the other rank's (equal) contribution to the sum
         return real_all_reduce(tensor, *args, **kwargs)
 
-    def reduce(grad, group, world, op):
+    def reduce(grad, group, world, op, *rest):
         ops.append(op)
-        return real_reduce(grad, group, world, op)
+        return real_reduce(grad, group, world, op, *rest)
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
