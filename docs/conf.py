@@ -65,6 +65,7 @@ autodoc_type_aliases = {
     "FlatTensors": "FlatTensors",
     "StackedTensors": "StackedTensors",
     "NoDecayRule": "NoDecayRule",
+    "MixedPrecisionArg": "MixedPrecisionArg",
 }
 nitpick_ignore = [("py:class", alias) for alias in autodoc_type_aliases if alias != "PublicStorage"]
 python_use_unqualified_type_names = True
