@@ -20,6 +20,12 @@ Beside each contender: the bytes per parameter it keeps (master + compute copy
 synthetic corpus for float32, autocast plain, flat + policy and pure bfloat16:
 the final loss and the fraction of weights that changed from their initial
 value (pure bfloat16 loses the updates smaller than half its spacing).
+
+On 2 gloo ranks (``benchmarks/_mixed_precision_ranks.py``, its own table): a
+training step of the encoder under FSDP2 ``fully_shard(model,
+mp_policy=policy)`` against the flattened model with ``mixed_precision=policy``
+and ``storage.enable_grad_sync()``, and with ``ShardedOptimizer`` ZeRO-2; each
+pair of ranks in its own processes, alternating rounds, medians, ratios to FSDP2.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import _mixed_precision_ranks as ranks
 from benchmarks._processes import Worker, emit, serve, started, time_in_turns
 from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_most, fmt_ratio, fmt_time, ratio
 
@@ -410,9 +417,11 @@ def run(settings: Settings) -> Report:
         ]
         for name in CONTENDERS
     }
+    pairs = ranks.start(settings, size)  # built and calibrated meanwhile, timed after the rest
     results: dict[str, dict[str, Samples]] = {}
     rounds = min(settings.rounds, ROUNDS)
-    with started([w for ws in workers.values() for w in ws], timeout=1200):
+    everyone = [w for ws in (*workers.values(), *pairs.values()) for w in ws]
+    with started(everyone, timeout=1500):
         memory = {name: ws[0].receive()["memory"] for name, ws in workers.items()}
         for model in models:
             for row in ROWS:
@@ -423,6 +432,7 @@ def run(settings: Settings) -> Report:
         for name in QUALITY:  # one at a time: each trains on its own
             workers[name][0].send("go quality")
             quality[name] = workers[name][0].receive()
+        on_ranks = ranks.table(pairs, settings, size)
     report = Report()
     for model in models:
         report.tables.append(
@@ -435,6 +445,7 @@ def run(settings: Settings) -> Report:
                 at_most(f"{model} {row}: flat + policy / {base}", ratio(res, POLICY, base), TARGETS[row])
             )
     report.tables.append(_quality_table(quality, size["quality_steps"], settings.quick))
+    report.tables.append(on_ranks)
     loss_ratio = quality[POLICY]["loss"] / quality[AUTOCAST]["loss"]
     report.checks.append(
         at_most("gpt2 quality: |final loss flat + policy / autocast - 1|", abs(loss_ratio - 1), 0.01)

@@ -48,7 +48,10 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
 
 
 def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
-    """`--only mixed_precision --quick` runs every contender in its own process and prints the tables."""
+    """`--only mixed_precision --quick` runs every contender in its own process(es) and prints the tables.
+
+    Its last table is the 2-rank gloo row: FSDP2 with the policy against the flattened model's.
+    """
     done = _run(
         ["-m", "benchmarks", "--quick", "--only", "mixed_precision", "--out", str(tmp_path)], tmp_path
     )
@@ -64,6 +67,9 @@ def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
     ):
         assert f"| {contender} " in out, contender
     assert "4 + 2 + 4 = 10" in out and "FAILED" not in out
+    assert "### Mixed precision on 2 gloo ranks" in out
+    for contender in ("FSDP2 + mp_policy", "flat + policy + grad sync", "flat + policy + ZeRO-2"):
+        assert f"| {contender} " in out, contender
 
 
 def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:

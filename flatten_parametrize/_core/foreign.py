@@ -4,12 +4,16 @@
 parameter was; that tensor, and its conversions (``.to()``, ``.double()``),
 are FSDP2's. The library leaves it there (:func:`is_foreign`) and writes into
 the part of it that this rank holds (:func:`local_shard`): the padding after
-``to_empty()``, the values of a ``load_state_dict``.
+``to_empty()``, the values of a ``load_state_dict``. Under an ``mp_policy``,
+FSDP2 gathers that tensor into an unsharded parameter of its ``param_dtype``
+(:func:`is_fsdp2_compute_param`): the views are served from it while it is
+there, but it is FSDP2's compute copy, not a new flat parameter.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import torch
@@ -17,7 +21,14 @@ from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter
 
-__all__ = ["detached_dtensor", "is_distributed", "is_foreign", "is_stale_batched", "local_shard"]
+__all__ = [
+    "detached_dtensor",
+    "is_distributed",
+    "is_foreign",
+    "is_fsdp2_compute_param",
+    "is_stale_batched",
+    "local_shard",
+]
 
 
 def is_foreign(tensor: Any) -> bool:
@@ -47,6 +58,28 @@ def is_distributed(tensor: Any) -> bool:
     """
     cls = _dtensor_class()
     return cls is not None and isinstance(tensor, cls)
+
+
+def is_fsdp2_compute_param(root: nn.Module, flat: Tensor, value: Any) -> bool:
+    """Return whether ``value`` in ``flat``'s place is FSDP2's unsharded parameter of another dtype.
+
+    ``fully_shard(root, mp_policy=MixedPrecisionPolicy(param_dtype=...))``
+    all-gathers its sharded ``DTensor`` into a plain parameter of
+    ``param_dtype`` before each forward and puts it in the flat parameter's
+    place: the size and device of the flat parameter, another dtype. It is
+    FSDP2's compute copy (FSDP2 keeps the sharded master, reduces its gradient
+    and puts the sharded parameter back), so the library serves the views
+    from it and adopts nothing.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return (
+        fsdp is not None
+        and isinstance(root, fsdp.FSDPModule)
+        and type(value) is nn.Parameter
+        and value.dtype != flat.dtype
+        and value.shape == (flat.numel(),)
+        and value.device == flat.device
+    )
 
 
 def detached_dtensor(tensor: Any) -> Any:

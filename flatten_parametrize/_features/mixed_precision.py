@@ -51,6 +51,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
 from .._core.features import Coordinator, storage_of
+from .._core.foreign import is_fsdp2_compute_param
 from .._core.names import registered_storage
 from .._core.records import Group
 
@@ -255,10 +256,24 @@ class MixedPrecision:
         The group's own flat parameter is served from the cached compute copy,
         cast again only if it changed; another tensor in its place (``using()``,
         ``functional_call``, FSDP2's unsharded parameter) from a cast of it.
+
+        Raises:
+            RuntimeError: if that tensor is FSDP2's unsharded parameter gathered
+                in another ``param_dtype`` (``fully_shard(mp_policy=...)``).
         """
         copy = self._copies[g]
-        group = self._storage.groups()[g]
+        storage = self._storage
+        group = storage.groups()[g]
         if flat is not group.flat:
+            root = storage.module_unchecked
+            if flat.dtype != copy.dtype and is_fsdp2_compute_param(root, group.flat, flat):
+                raise RuntimeError(
+                    f"mixed_precision: group '{group.name}' computes in {copy.dtype} "
+                    "(register_flat_storage(mixed_precision=...)) but fully_shard's mp_policy gathers "
+                    f"{group.flat_name} in {flat.dtype}; two policies that disagree would compute in "
+                    "neither dtype. Give one policy: drop mixed_precision= from register_flat_storage "
+                    "(FSDP2's mp_policy then casts), or give both the same param_dtype"
+                )
             with torch.no_grad():
                 return flat.detach().to(copy.dtype)
         self._land_written(group, copy)

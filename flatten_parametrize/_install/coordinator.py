@@ -24,7 +24,13 @@ from torch import Tensor, nn
 
 from .._core.features import Feature
 from .._core.flat_parameter import FlatParameter
-from .._core.foreign import detached_dtensor, is_distributed, is_foreign, is_stale_batched
+from .._core.foreign import (
+    detached_dtensor,
+    is_distributed,
+    is_foreign,
+    is_fsdp2_compute_param,
+    is_stale_batched,
+)
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -442,8 +448,8 @@ class StorageCore:
                 if is_stale_batched(current):  # left by a vmap that failed to restore the module
                     params[group.flat_name] = group.flat
                     continue
-                if is_foreign(current):  # functional_call's substitute, FSDP2's DTensor: left alone
-                    continue
+                if is_foreign(current) or is_fsdp2_compute_param(root, group.flat, current):
+                    continue  # functional_call's substitute, FSDP2's DTensor or unsharded one: left alone
                 try:
                     check_flat_replacement(group, current)
                 except RuntimeError:

@@ -19,6 +19,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from .._core.attribute import make_property
 from .._core.features import in_flat_mode
 from .._core.flat_parameter import FlatParameter
+from .._core.foreign import is_fsdp2_compute_param
 from .._core.names import MODULE_STATE_ATTR, registered_storage
 from .._core.records import ModuleState
 from .._core.writes import check_flat_replacement, land_parameter
@@ -122,6 +123,8 @@ def register_parameter(self: nn.Module, name: str, param: Any) -> None:
                 f"cannot replace {name} in unflattened mode or inside using(): the flat "
                 "parameter is not served there; call storage.flatten() (or leave using()) first"
             )
+        if is_fsdp2_compute_param(self, group.flat, param):
+            return base(name, param)  # FSDP2's unsharded parameter in its param_dtype: served, not adopted
         check_flat_replacement(group, param)
         base(name, param)
         core.adopt_replacements([(group, param)])

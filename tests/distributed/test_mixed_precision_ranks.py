@@ -1,18 +1,21 @@
-"""Mixed precision on 2 gloo ranks: grad sync and ``ShardedOptimizer`` reduce in ``reduce_dtype``.
+"""Mixed precision on 2 gloo ranks: grad sync, ``ShardedOptimizer`` and FSDP2's ``mp_policy``.
 
 One launch of 2 spawned ranks runs every scenario; the tests compare each with one process training the
-same policy on the combined batch, and check that every state dict holds exact float32 masters.
+same policy on the combined batch, and check that every state dict holds exact float32 masters. The FSDP2
+scenarios run ``fully_shard(model, mp_policy=...)`` on the flattened model (with and without the library's
+``mixed_precision=``) against the plain model under the same ``fully_shard``.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 
@@ -65,9 +68,59 @@ def _train(name: str, rank: int, world: int) -> dict[str, Any]:
     return result
 
 
+#: FSDP2 scenarios: (flatten first, the library's ``mixed_precision=``, FSDP2's ``mp_policy``).
+FSDP2 = {
+    "fsdp2_plain": (False, None, BF16_FP32_REDUCE),
+    "fsdp2_flat": (True, None, BF16_FP32_REDUCE),
+    "fsdp2_flat_both": (True, BF16_FP32_REDUCE, BF16_FP32_REDUCE),
+    "fsdp2_flat_library_only": (True, BF16_FP32_REDUCE, None),
+}
+FP16 = MixedPrecisionPolicy(param_dtype=torch.float16)
+DISAGREE = (
+    "group '0' computes in torch.float16 .* but fully_shard's mp_policy gathers "
+    "flat_param_0 in torch.bfloat16"
+)
+
+
+def _fsdp2(name: str, rank: int, world: int) -> dict[str, Any]:
+    flat, library, fsdp2 = FSDP2[name]
+    model = _net()
+    if flat:
+        register_flat_storage(model, mixed_precision=library)
+    fully_shard(model) if fsdp2 is None else fully_shard(model, mp_policy=fsdp2)
+    seen: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(module.weight.dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows, losses = 8 // world, []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model, _batch(step)[rank * rows : (rank + 1) * rows])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return {
+        "losses": losses,
+        "weights": {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()},
+        "compute": seen,
+        "registered": [(type(p).__name__, p.dtype) for p in model.parameters()],
+    }
+
+
+def _fsdp2_disagreeing(rank: int, world: int) -> str:
+    model = _net()
+    register_flat_storage(model, mixed_precision=FP16)
+    fully_shard(model, mp_policy=BF16)
+    with pytest.raises(RuntimeError, match=DISAGREE) as caught:
+        model(_batch(0))
+    return str(caught.value)
+
+
 def _worker(rank: int, world: int, outdir: Path) -> None:
     for name in SCENARIOS:
         save_result(outdir, rank, name, _train(name, rank, world))
+    for name in FSDP2:
+        save_result(outdir, rank, name, _fsdp2(name, rank, world))
+    save_result(outdir, rank, "fsdp2_disagreeing", _fsdp2_disagreeing(rank, world))
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +167,30 @@ def test_sharded_checkpoints_hold_float32_masters(launch, name):
             if v.is_floating_point() and v.dim()
         )
         assert result["sharded"]
+
+
+@pytest.mark.parametrize("name", ["fsdp2_flat", "fsdp2_flat_both", "fsdp2_flat_library_only"])
+def test_fsdp2_mp_policy_on_a_flattened_model_trains_like_the_plain_model(launch, name):
+    """fully_shard(mp_policy=bf16) after registration: the plain model's losses and weights, bit for bit.
+
+    Both cast the same float32 values to bfloat16 (before or after the all-gather: element-wise, the same
+    values), compute with the same ops and reduce-scatter the same gradients in float32, so nothing may
+    differ. Also with the library's own policy (the same param_dtype) on top of FSDP2's, or instead of it.
+    """
+    plains = launch_results(launch, "fsdp2_plain")
+    for plain, flat in zip(plains, launch_results(launch, name)):
+        assert plain["compute"] == flat["compute"] == [torch.bfloat16] * STEPS
+        assert flat["registered"] == [("DTensor", torch.float32)]  # FSDP2's sharded float32 master
+        assert [float(x) for x in flat["losses"]] == [float(x) for x in plain["losses"]]
+        assert list(flat["weights"]) == list(plain["weights"])
+        for key, value in plain["weights"].items():
+            assert flat["weights"][key].dtype == torch.float32
+            assert torch.equal(flat["weights"][key], value), key
+    assert not torch.equal(plains[0]["weights"]["0.weight"], _net()[0].weight)  # it trained
+
+
+def test_fsdp2_mp_policy_disagreeing_with_the_library_policy_raises(launch):
+    """The library's float16 policy under FSDP2's bfloat16 mp_policy: the first forward raises, every rank."""
+    for message in launch_results(launch, "fsdp2_disagreeing"):
+        assert re.search(DISAGREE, message)
+        assert "drop mixed_precision= from register_flat_storage" in message
