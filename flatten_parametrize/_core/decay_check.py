@@ -39,6 +39,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from .compiling import never_traced
+
 __all__ = ["watch_optimizers"]
 
 _handle: RemovableHandle | None = None
@@ -73,19 +75,26 @@ class _Hook:
         self.flat_type = flat_type
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        key = id(optimizer)
         groups = getattr(optimizer, "param_groups", None)
-        if not isinstance(groups, list) or _checked.get(key) == len(groups):
+        if not isinstance(groups, list) or _checked.get(id(optimizer)) == len(groups):
             return  # it runs for every optimizer in the process: never in a step's way
-        if key not in _checked:
-            weakref.finalize(optimizer, _forget, key)  # an id is reused only after its object is gone
-        _checked[key] = len(groups)
-        if key in _warned:
-            return
-        message = _mismatch(groups, self.flat_type)
-        if message is not None:
-            _warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
+        _check(optimizer, groups, self.flat_type)
+
+
+@never_traced  # a compiled step runs the first check eagerly (weakref.finalize is not traceable)
+def _check(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], flat_type: type[torch.Tensor]
+) -> None:
+    key = id(optimizer)
+    if key not in _checked:
+        weakref.finalize(optimizer, _forget, key)  # an id is reused only after its object is gone
+    _checked[key] = len(groups)
+    if key in _warned:
+        return
+    message = _mismatch(groups, flat_type)
+    if message is not None:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _forget(key: int) -> None:
