@@ -15,8 +15,9 @@ import ctypes.util
 import gc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["extra_peak", "peak_bytes", "reset_peak", "rss_bytes", "trim"]
+__all__ = ["extra_peak", "held_bytes", "peak_bytes", "reset_peak", "rss_bytes", "trim"]
 
 _STATUS = Path("/proc/self/status")
 
@@ -67,3 +68,13 @@ def extra_peak(fn: Callable[[], object]) -> tuple[int | None, object]:
     result = fn()
     peak = peak_bytes()
     return (None if peak is None else max(0, peak - before)), result
+
+
+def held_bytes(tensors: Any) -> int:
+    """Return the bytes of memory behind ``tensors`` (a DTensor's local shard; views counted once)."""
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

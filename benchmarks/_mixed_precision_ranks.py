@@ -37,6 +37,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._memory import held_bytes
 from benchmarks._processes import Worker, emit, free_ports, serve, time_in_turns
 from benchmarks._timing import Table, fmt_time
 
@@ -47,16 +48,6 @@ CONTENDERS = (FSDP2, FLAT_SYNC, FLAT_ZERO2)
 WORLD = 2
 #: Timed rounds at most (a round is about a second of steps per contender in a full run).
 ROUNDS = 7
-
-
-def _held_bytes(tensors: Any) -> int:
-    """Return the bytes of memory behind ``tensors`` (a DTensor's local shard; views counted once)."""
-    storages = {}
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
@@ -111,7 +102,7 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     for _ in range(config["warmup"]):
         step()
     state = opt.state if contender != FLAT_ZERO2 else opt.local_optimizer.state  # type: ignore[attr-defined]
-    nbytes = _held_bytes(
+    nbytes = held_bytes(
         [
             *grads_of,
             *(p.grad for p in grads_of if p.grad is not None),

@@ -44,6 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._memory import held_bytes
 from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
 from benchmarks._timing import Table
 from benchmarks.bench_ddp import (
@@ -89,16 +90,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------- one rank
-
-
-def _held_bytes(tensors: Any) -> int:
-    """Return the bytes of memory behind ``tensors`` (a DTensor's local shard; views counted once)."""
-    storages = {}
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
@@ -152,9 +143,9 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     def step(count: bool = False) -> tuple[int, int]:
         opt.zero_grad()
         model(x).pow(2).mean().backward()
-        held = _held_bytes(p.grad for p in grads_of if p.grad is not None) if count else 0
+        held = held_bytes(p.grad for p in grads_of if p.grad is not None) if count else 0
         opt.step()
-        state = _held_bytes(v for s in state_of.values() for v in s.values() if v.dim() > 0) if count else 0
+        state = held_bytes(v for s in state_of.values() for v in s.values() if v.dim() > 0) if count else 0
         return held, state
 
     for _ in range(config["warmup"] - 1):
