@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from .._core.foreign import is_distributed
 from .._core.names import flat_param_name, registered_storage
 from .._state.attach_optim import own_format
 from .on_import import when_imported
@@ -136,12 +137,8 @@ def _converting() -> bool:
 
 
 # ------------------------------------------------------------------------------ DTensor helpers
-def _is_dtensor(value: Any) -> bool:
-    return type(value).__name__ == "DTensor" and hasattr(value, "full_tensor")
-
-
 def _full(value: Tensor) -> Tensor:
-    return value.full_tensor() if _is_dtensor(value) else value  # type: ignore[attr-defined]
+    return value.full_tensor() if is_distributed(value) else value  # type: ignore[attr-defined]
 
 
 def _shard_like(full: Tensor, like: Any) -> Tensor:
@@ -161,7 +158,7 @@ def _member_value(value: Any, flat: _Flat, offset: int, numel: int, shape: torch
     """Return a member's part of one state value of a flat parameter (a scalar: a copy)."""
     if not (isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == flat.numel):
         return _copy(value)
-    if _is_dtensor(value):
+    if is_distributed(value):
         return _shard_like(_full(value).narrow(0, offset, numel).reshape(shape).clone(), value)
     return value.narrow(0, offset, numel).view(shape)  # a view of the live state, as torch gives
 
@@ -194,7 +191,7 @@ def _flat_value(flat: _Flat, key: str, values: list[tuple[tuple[str, int, int, t
     """Return one state value of ``flat`` from its members' (per-element joined; scalars equal)."""
     if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape == m[3] for m, v in values):
         first = values[0][1]
-        local = first.to_local() if _is_dtensor(first) else first
+        local = first.to_local() if is_distributed(first) else first
         buffer = torch.zeros(flat.numel, dtype=first.dtype, device=local.device)
         for (name, offset, numel, shape), value in values:
             if not isinstance(value, Tensor) or value.shape != shape:
@@ -205,7 +202,7 @@ def _flat_value(flat: _Flat, key: str, values: list[tuple[tuple[str, int, int, t
                     "load a checkpoint of this model's optimizer"
                 )
             buffer.narrow(0, offset, numel).copy_(_full(value).detach().reshape(-1))
-        if _is_dtensor(first) and _is_dtensor(flat.flat):
+        if is_distributed(first) and is_distributed(flat.flat):
             return _shard_like(buffer, flat.flat)
         return buffer
     (first_name, *_), first = values[0]
