@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
@@ -58,6 +59,7 @@ LOADS = {  # how a checkpoint is loaded -> the checkpoint it reads
     "broadcast_from_rank0": "full",  # rank 0 holds the full dict, the other ranks an empty one
 }
 LR = 0.1
+FULL = StateDictOptions(full_state_dict=True)
 
 
 class Traffic:
@@ -153,6 +155,25 @@ def sgd_steps(model: nn.Module, steps: range, rank: int, ranks: tuple[int, ...])
 # -------------------------------------------------------------------------------------- train
 
 
+def dcp_collectives(model: nn.Module) -> dict[str, dict[str, int]]:
+    """The collectives of each DCP state-dict call (by op name, as ``CommDebugMode`` counts them)."""
+    calls: dict[str, Callable[[], Any]] = {
+        "get_model_state_dict": lambda: get_model_state_dict(model),
+        "get_model_state_dict, full": lambda: get_model_state_dict(model, options=FULL),
+        "set_model_state_dict": lambda: set_model_state_dict(model, get_model_state_dict(model)),
+        "set_model_state_dict, full": lambda: set_model_state_dict(
+            model, get_model_state_dict(model, options=FULL), options=FULL
+        ),
+    }
+    out = {}
+    for name, call in calls.items():
+        call()  # the counted call runs after one whose caches it may use
+        with CommDebugMode() as comm:
+            call()
+        out[name] = {str(op): count for op, count in comm.get_comm_counts().items()}
+    return out
+
+
 def values_scenario(rank: int) -> dict[str, Any]:
     getters: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
         "model.state_dict()": lambda m: m.state_dict(),
@@ -193,6 +214,7 @@ def values_scenario(rank: int) -> dict[str, Any]:
                 except RuntimeError as error:
                     out[f"{form}, {name}, {mode_name}"] = f"RuntimeError: {error}"
         out[f"{form}, trained"] = weights(model)
+        out[f"{form}, DCP collectives"] = dcp_collectives(model)
         with Traffic() as saving:
             taken = model.state_dict()
         out[f"{form}, saving traffic"] = saving

@@ -8,7 +8,7 @@ key: flat_param_0`` under DDP), and optimizer state would be keyed
 ``state.flat_param_0.exp_avg``, one tensor per group, so a checkpoint could
 not move between the plain and the flattened model.
 
-:func:`install` wraps five private functions of
+:func:`install` wraps six private functions of
 ``torch.distributed.checkpoint.state_dict`` (when that module is imported,
 now or later) so that DCP sees a flattened storage as the plain model:
 
@@ -25,7 +25,11 @@ now or later) so that DCP sees a flattened storage as the plain model:
 * ``_load_optim_state_dict``: the reverse before torch loads it (members
   joined into the flat tensor, padding zero);
 * ``_init_optim_state``: a ``ShardedOptimizer`` creates its slices' state
-  itself (torch's zero-gradient step cannot reach them).
+  itself (torch's zero-gradient step cannot reach them);
+* ``_get_fqns``: a flattened name resolves without reading its view. DCP reads
+  the attribute at the end of each name it maps (twice per key when loading);
+  under FSDP2 a view of the sharded flat ``DTensor`` is an all-gather of the
+  whole group, a collective in code that every other model runs without one.
 
 Values stay what DCP would have: plain tensors (views of the live state),
 or, under FSDP2, ``DTensor``\\ s sharded like the plain model's (``Shard(0)``
@@ -50,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.foreign import is_distributed
-from .._core.names import flat_param_name, registered_storage
+from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
 from .._state.attach_optim import own_format
 from .on_import import when_imported
 from .sharded import ShardedOptimizer
@@ -66,9 +70,10 @@ _WRAPPED = (
     "_init_optim_state",
     "_get_optim_state_dict",
     "_load_optim_state_dict",
+    "_get_fqns",
 )
 #: What the wrapped functions use besides.
-_USED = ("_get_fqns", "_flatten_optim_state_dict")
+_USED = ("_flatten_optim_state_dict",)
 #: Attribute marking a wrapped function (with the original as its value).
 _MARK = "__flatten_parametrize_original__"
 
@@ -302,10 +307,41 @@ def _iterate_valid_model_state(original: Callable[..., Any], dsd: ModuleType) ->
                 continue
             done.add(id(flat.core))
             prefix = name[: len(name) - len(flat.attr)]
-            names = {n for n, _ in flat.core.named_views(remove_duplicate=False)}
+            names = set(flat.core.view_names(remove_duplicate=False))
             for key, value in flat.core.module.state_dict(keep_vars=True).items():
                 if key in names:
                     yield prefix + key, value
+
+    return wrapper
+
+
+def _is_view_name(model: nn.Module, path: str, attr: str, modifiers: str) -> bool:
+    """Return whether ``path.attr`` in ``model`` is a flattened attribute served as a view now."""
+    owner: Any = model
+    for part in path.split("."):
+        owner = getattr(owner, part, None)  # modules only (DDP's ``module``, FSDP's wrapped module)
+        if not isinstance(owner, nn.Module):
+            return False
+    state = owner.__dict__.get(MODULE_STATE_ATTR)
+    return (
+        state is not None
+        and attr in state.slots
+        and attr not in owner._parameters  # unflattened mode: a real parameter, read as is
+        and not hasattr(owner, modifiers)  # a module that renames its attributes for DCP: torch's path
+    )
+
+
+def _get_fqns(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
+    def wrapper(
+        model: nn.Module, name: str, dsd_fqn_modifiers: str = "_fqn_modifiers", *args: Any, **kwargs: Any
+    ) -> Any:
+        path, dot, attr = name.rpartition(".")
+        if not dot or not _is_view_name(model, path, attr, dsd_fqn_modifiers):
+            return original(model, name, dsd_fqn_modifiers, *args, **kwargs)
+        # torch's walk of the module path (its prefixes dropped or kept as asked) ending at an
+        # attribute every module has and that costs nothing to read, then the attribute's name
+        fqns = original(model, f"{path}.training", dsd_fqn_modifiers, *args, **kwargs)
+        return {fqn[: len(fqn) - len("training")] + attr for fqn in fqns}
 
     return wrapper
 
@@ -400,6 +436,7 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any], ModuleType], Callable[..., An
     "_init_optim_state": _init_optim_state,
     "_get_optim_state_dict": _get_optim_state_dict,
     "_load_optim_state_dict": _load_optim_state_dict,
+    "_get_fqns": _get_fqns,
 }
 
 

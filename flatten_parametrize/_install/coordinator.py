@@ -273,6 +273,11 @@ class StorageCore:
         names = surgery.live_names(self, slot, modules)
         return names[:1] if remove_duplicate else names
 
+    def view_names(self, remove_duplicate: bool = True) -> list[str]:
+        """Return every live flattened name, without reading a view (no cast, no collective)."""
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return [name for slot in self._slots for name in self._live(slot, modules, remove_duplicate)]
+
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(name, tensor)`` for every live flattened name, as the module serves it."""
         self.sync_writes()

@@ -197,6 +197,34 @@ def _adam_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range
     return losses
 
 
+@pytest.mark.parametrize("top_level", [False, True])
+@pytest.mark.parametrize("wrap", ["none", "ddp", "compile", "checkpoint"])
+def test_dcp_maps_each_flattened_name_as_for_the_plain_model(world1, wrap, top_level):
+    """DCP's name mapping (``_get_fqns``, which the library answers without reading the view) gives the
+    plain model's names, with and without the wrappers' prefixes, for nested and top-level names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    def build(flat: bool) -> nn.Module:
+        torch.manual_seed(0)
+        inner: nn.Module = nn.Linear(3, 2) if top_level else nn.Sequential(mlp(), nn.Linear(3, 2))
+        if wrap == "checkpoint" and not top_level:
+            inner[1] = checkpoint_wrapper(inner[1])
+        if flat:
+            register_flat_storage(inner)
+        if wrap == "ddp":
+            return DistributedDataParallel(inner)
+        return torch.compile(inner) if wrap == "compile" else inner
+
+    plain, model = build(False), build(True)
+    names = list(plain.state_dict())
+    assert names == list(model.state_dict()) and len(names) == (2 if top_level else 8)
+    for options in ({}, {"skip_ddp_prefix": False, "skip_compiler_prefix": False}):
+        assert [dsd._get_fqns(model, n, **options) for n in names] == [
+            dsd._get_fqns(plain, n, **options) for n in names
+        ]
+
+
 def test_sharded_optimizer_state_is_empty_until_the_first_step(world1):
     """As a torch optimizer's: DCP's _init_optim_state takes a non-empty ``state`` for an initialized one."""
     model = mlp()
