@@ -25,7 +25,6 @@ local shard; views once), compute copies included.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._memory import held_bytes
-from benchmarks._processes import Worker, emit, free_ports, serve, time_in_turns
+from benchmarks._processes import Worker, calls_per_round, emit, free_ports, serve, time_in_turns
 from benchmarks._timing import Table, fmt_time
 
 __all__ = ["CONTENDERS", "start", "table"]
@@ -51,7 +50,7 @@ ROUNDS = 7
 
 
 def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
-    """Build one contender on this rank, calibrate, then time ``calls`` steps per ``go`` line on stdin."""
+    """Build one contender on this rank, then time a round of steps per ``go`` line (calibrated at first)."""
     if contender not in CONTENDERS:
         raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
     import torch
@@ -99,8 +98,7 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
         loss(model, x).backward()
         opt.step()
 
-    for _ in range(config["warmup"]):
-        step()
+    step()  # the gradients and optimizer state exist from here on
     state = opt.state if contender != FLAT_ZERO2 else opt.local_optimizer.state  # type: ignore[attr-defined]
     nbytes = held_bytes(
         [
@@ -110,19 +108,21 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
             *held,
         ]
     )
-    start = time.perf_counter()
-    step()
-    once = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(once, op=dist.ReduceOp.MAX)  # every rank runs the same number of steps
-    calls = max(1, min(1000, math.ceil(config["round_s"] / max(float(once), 1e-9))))
-    emit({"params": sum(p.numel() for p in model.parameters()), "held": nbytes, "calls": calls})
+    emit({"params": sum(p.numel() for p in model.parameters()), "held": nbytes})
+    calls: dict[str, int] = {}
+
+    def slowest(seconds: float) -> float:  # every rank runs the same number of steps
+        once = torch.tensor([seconds])
+        dist.all_reduce(once, op=dist.ReduceOp.MAX)
+        return float(once)
 
     def measure(what: str) -> dict[str, float]:
+        n = calls_per_round(calls, what, step, config["warmup"], config["round_s"], slowest)
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(n):
             step()
-        return {"seconds": (time.perf_counter() - start) / calls}
+        return {"seconds": (time.perf_counter() - start) / n, "calls": n}
 
     serve(measure)
     dist.destroy_process_group()
@@ -133,7 +133,7 @@ def _threads(settings: Any) -> int:
 
 
 def start(settings: Any, size: dict[str, Any]) -> dict[str, list[Worker]]:
-    """Start both ranks of every contender; they build and calibrate, then wait for ``go`` lines.
+    """Start both ranks of every contender; they build and take one step, then wait for ``go`` lines.
 
     Args:
         settings: the run's :class:`benchmarks._timing.Settings` (each rank gets half its threads).
@@ -170,11 +170,24 @@ def start(settings: Any, size: dict[str, Any]) -> dict[str, list[Worker]]:
     return pairs
 
 
-def table(pairs: dict[str, list[Worker]], settings: Any, size: dict[str, Any]) -> Table:
-    """Time the started pairs in alternating rounds; return the table of medians, ratios to FSDP2, memory."""
+def wait_ready(pairs: dict[str, list[Worker]]) -> dict[str, list[dict[str, Any]]]:
+    """Wait until every started rank has built its contender (then idles); return their first messages.
+
+    Call it before timing anything else: a rank still building takes the CPUs that the other
+    timings measure on.
+    """
+    return {name: [w.receive() for w in pair] for name, pair in pairs.items()}
+
+
+def table(
+    pairs: dict[str, list[Worker]],
+    ready: dict[str, list[dict[str, Any]]],
+    settings: Any,
+    size: dict[str, Any],
+) -> Table:
+    """Time the ready pairs in alternating rounds; return the table of medians, ratios to FSDP2, memory."""
     threads = _threads(settings)
     rounds = min(settings.rounds, ROUNDS)
-    ready = {name: [w.receive() for w in pair] for name, pair in pairs.items()}
     found = time_in_turns(pairs, "step", rounds)
     samples = {name: [max(m["seconds"] for m in r) for r in per_round] for name, per_round in found.items()}
     medians = {name: statistics.median(values) for name, values in samples.items()}
@@ -196,7 +209,7 @@ def table(pairs: dict[str, list[Worker]], settings: Any, size: dict[str, Any]) -
             _fmt_bytes(held[name]),
             f"{held[name] / held[FSDP2]:.2f}",
         )
-    calls = sorted({r[0]["calls"] for r in ready.values()})
+    calls = sorted({r[0]["calls"] for per_round in found.values() for r in per_round})
     out.notes.append(
         f"{rounds} rounds of {'-'.join(map(str, calls[:: max(1, len(calls) - 1)]))} steps, "
         "contenders alternating (forward, then reverse order), each a pair of processes of its own; median "

@@ -18,15 +18,27 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TAG", "Worker", "emit", "free_ports", "rank_worker", "serve", "started", "time_in_turns"]
+__all__ = [
+    "TAG",
+    "Worker",
+    "calls_per_round",
+    "emit",
+    "free_ports",
+    "rank_worker",
+    "serve",
+    "started",
+    "time_in_turns",
+]
 
 #: Lines of the protocol start with this (anything else a worker prints is passed over).
 TAG = "@bench "
@@ -44,6 +56,32 @@ def serve(measure: Callable[[str], Mapping[str, Any]]) -> None:
         if not words or words[0] != "go":
             return
         emit(measure(words[1].strip() if len(words) > 1 else ""))
+
+
+def calls_per_round(
+    calls: dict[str, int],
+    what: str,
+    fn: Callable[[], object],
+    warmup: int,
+    round_s: float,
+    agree: Callable[[float], float] = lambda seconds: seconds,
+) -> int:
+    """Return how many calls of ``fn`` make a round of row ``what``, calibrated at its first request.
+
+    The workers of a workload build at once; a row calibrated then times one call among all their
+    builds (on 2 CPUs several times its time alone, so rounds of one call). At a ``go`` line the
+    worker runs alone: the first request of each row runs ``warmup`` calls and times one more.
+    ``agree`` makes the ranks of one contender agree on the time of that call (the slowest).
+    """
+    n = calls.get(what)
+    if n is None:
+        for _ in range(warmup):
+            fn()
+        start = time.perf_counter()
+        fn()
+        once = agree(time.perf_counter() - start)
+        n = calls[what] = max(1, min(10_000, math.ceil(round_s / max(once, 1e-9))))
+    return n
 
 
 def free_ports(n: int) -> list[int]:

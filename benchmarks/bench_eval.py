@@ -20,7 +20,6 @@ times, depend on the other contenders), timed in turns.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._contenders import FAIRSCALE, FAIRSCALE_MISSING
-from benchmarks._processes import Worker, emit, serve, started, time_in_turns
+from benchmarks._processes import Worker, calls_per_round, emit, serve, started, time_in_turns
 from benchmarks._timing import Report, Samples, Settings, Table, at_most, fmt_ratio, fmt_time, ratio
 
 __all__ = ["ROWS", "run"]
@@ -64,7 +63,7 @@ def _size(quick: bool) -> dict[str, int]:
 
 
 def _worker(contender: str, config: dict[str, Any]) -> None:
-    """Build one contender, warm up and calibrate every row, then answer ``go <row>`` lines."""
+    """Build one contender, then answer ``go <row>`` lines (each row warmed up and calibrated at first)."""
     import torch
     from torch import nn
     from torch.autograd.graph import increment_version
@@ -126,18 +125,12 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
         AFTER_UPDATE: in_mode(False, eval_after_update),
         TRAIN: in_mode(True, train),
     }
-    calls = {}
-    for name, fn in rows.items():
-        for _ in range(config["warmup"]):
-            fn()
-        start = time.perf_counter()
-        fn()
-        once = time.perf_counter() - start
-        calls[name] = max(1, min(100_000, math.ceil(config["round_s"] / max(once, 1e-9))))
     emit({"params": sum(p.numel() for p in params)})
+    calls: dict[str, int] = {}
 
     def measure(row: str) -> dict[str, float]:
-        fn, n = rows[row], calls[row]
+        fn = rows[row]
+        n = calls_per_round(calls, row, fn, config["warmup"], config["round_s"])
         fn()  # the mode switch and the first pass after another row are not timed
         start = time.perf_counter()
         for _ in range(n):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _mixed_precision_ranks as ranks
-from benchmarks._processes import Worker, emit, serve, started, time_in_turns
+from benchmarks._processes import Worker, calls_per_round, emit, serve, started, time_in_turns
 from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_most, fmt_ratio, fmt_time, ratio
 
 __all__ = ["CONTENDERS", "run"]
@@ -330,7 +329,7 @@ def loss_of(trainer: _Trainer, ids: Any) -> Any:
 
 
 def _worker(contender: str, config: dict[str, Any]) -> None:
-    """Build both models for one contender, calibrate every row, then answer ``go <model>/<row>`` lines."""
+    """Build both models for one contender, then answer ``go <model>/<row>`` lines (calibrated at first)."""
     import torch
 
     torch.set_num_threads(config["threads"])
@@ -356,20 +355,14 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
         rows[f"{name}/{FWD_BWD}"] = fb
         trainer.step(batches[:1])
         memory[name] = trainer.bytes_per_param()
-    calls = {}
-    for key, fn in rows.items():
-        for _ in range(config["warmup"]):
-            fn()
-        start = time.perf_counter()
-        fn()
-        once = time.perf_counter() - start
-        calls[key] = max(1, min(10_000, math.ceil(config["round_s"] / max(once, 1e-9))))
     emit({"memory": memory})
+    calls: dict[str, int] = {}
 
     def measure(what: str) -> dict[str, Any]:
         if what == "quality":
             return _quality(contender, size)
-        fn, n = rows[what], calls[what]
+        fn = rows[what]
+        n = calls_per_round(calls, what, fn, config["warmup"], config["round_s"])
         if n > 1:
             fn()  # the first pass after another row is not timed (rows of one pass per round: no time)
         start = time.perf_counter()
@@ -417,12 +410,13 @@ def run(settings: Settings) -> Report:
         ]
         for name in CONTENDERS
     }
-    pairs = ranks.start(settings, size)  # built and calibrated meanwhile, timed after the rest
+    pairs = ranks.start(settings, size)  # built and calibrated while the workers above are, timed last
     results: dict[str, dict[str, Samples]] = {}
     rounds = min(settings.rounds, ROUNDS)
     everyone = [w for ws in (*workers.values(), *pairs.values()) for w in ws]
     with started(everyone, timeout=1500):
         memory = {name: ws[0].receive()["memory"] for name, ws in workers.items()}
+        ready = ranks.wait_ready(pairs)  # nothing but the timed worker runs from here on
         for model in models:
             for row in ROWS:
                 key = f"{model}/{row}"
@@ -432,7 +426,7 @@ def run(settings: Settings) -> Report:
         for name in QUALITY:  # one at a time: each trains on its own
             workers[name][0].send("go quality")
             quality[name] = workers[name][0].receive()
-        on_ranks = ranks.table(pairs, settings, size)
+        on_ranks = ranks.table(pairs, ready, settings, size)
     report = Report()
     for model in models:
         report.tables.append(
