@@ -40,7 +40,7 @@ from benchmarks._memory import held_bytes
 from benchmarks._processes import Worker, calls_per_round, emit, free_ports, serve, time_in_turns
 from benchmarks._timing import Table, fmt_time
 
-__all__ = ["CONTENDERS", "start", "table"]
+__all__ = ["CONTENDERS", "start", "table", "wait_ready"]
 
 FSDP2, FLAT_SYNC, FLAT_ZERO2 = "FSDP2 + mp_policy", "flat + policy + grad sync", "flat + policy + ZeRO-2"
 CONTENDERS = (FSDP2, FLAT_SYNC, FLAT_ZERO2)
