@@ -38,6 +38,7 @@ __all__ = [
     "serve",
     "started",
     "time_in_turns",
+    "time_round",
 ]
 
 #: Lines of the protocol start with this (anything else a worker prints is passed over).
@@ -82,6 +83,23 @@ def calls_per_round(
         once = agree(time.perf_counter() - start)
         n = calls[what] = max(1, min(10_000, math.ceil(round_s / max(once, 1e-9))))
     return n
+
+
+def time_round(
+    calls: dict[str, int], what: str, fn: Callable[[], object], warmup: int, round_s: float
+) -> float:
+    """Return the seconds per call of one round of row ``what`` (calibrated by :func:`calls_per_round`).
+
+    A round of several calls starts with one untimed call: the first pass after another row
+    (or a mode switch) pays for that switch. A row of one call per round is timed as it comes.
+    """
+    n = calls_per_round(calls, what, fn, warmup, round_s)
+    if n > 1:
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
 
 
 def free_ports(n: int) -> list[int]:

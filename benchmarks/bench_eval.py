@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._contenders import FAIRSCALE, FAIRSCALE_MISSING
-from benchmarks._processes import Worker, calls_per_round, emit, serve, started, time_in_turns
+from benchmarks._processes import Worker, emit, serve, started, time_in_turns, time_round
 from benchmarks._timing import Report, Samples, Settings, Table, at_most, fmt_ratio, fmt_time, ratio
 
 __all__ = ["ROWS", "run"]
@@ -129,13 +128,7 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
     calls: dict[str, int] = {}
 
     def measure(row: str) -> dict[str, float]:
-        fn = rows[row]
-        n = calls_per_round(calls, row, fn, config["warmup"], config["round_s"])
-        fn()  # the mode switch and the first pass after another row are not timed
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return {"seconds": (time.perf_counter() - start) / n}
+        return {"seconds": time_round(calls, row, rows[row], config["warmup"], config["round_s"])}
 
     serve(measure)
 

@@ -34,7 +34,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _mixed_precision_ranks as ranks
-from benchmarks._processes import Worker, calls_per_round, emit, serve, started, time_in_turns
+from benchmarks._processes import Worker, emit, serve, started, time_in_turns, time_round
 from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_most, fmt_ratio, fmt_time, ratio
 
 __all__ = ["CONTENDERS", "run"]
@@ -361,14 +360,7 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
     def measure(what: str) -> dict[str, Any]:
         if what == "quality":
             return _quality(contender, size)
-        fn = rows[what]
-        n = calls_per_round(calls, what, fn, config["warmup"], config["round_s"])
-        if n > 1:
-            fn()  # the first pass after another row is not timed (rows of one pass per round: no time)
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return {"seconds": (time.perf_counter() - start) / n}
+        return {"seconds": time_round(calls, what, rows[what], config["warmup"], config["round_s"])}
 
     serve(measure)
 
