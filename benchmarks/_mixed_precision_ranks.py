@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._memory import held_bytes
-from benchmarks._processes import Worker, calls_per_round, emit, free_ports, serve, time_in_turns
+from benchmarks._processes import Worker, calls_per_round, emit, free_ports, join_gloo, serve, time_in_turns
 from benchmarks._timing import Table, fmt_time
 
 __all__ = ["CONTENDERS", "start", "table", "wait_ready"]
@@ -62,13 +61,7 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
 
     torch.set_num_threads(config["threads"])
     torch.set_flush_denormal(True)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=300),
-    )
+    join_gloo(rank, WORLD, port, 300)
     model, batches, loss = _build("encoder", config["size"])
     x = batches[rank]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

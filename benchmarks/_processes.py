@@ -34,6 +34,7 @@ __all__ = [
     "calls_per_round",
     "emit",
     "free_ports",
+    "join_gloo",
     "rank_worker",
     "serve",
     "started",
@@ -153,6 +154,21 @@ class Worker:
             f"{self.name} ended (exit code {self.proc.wait()}) or was stopped at the "
             "time limit; its last output:\n" + "\n".join(self.log)
         )
+
+
+def join_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """Join (as ``rank`` of ``world``) the gloo group of the workers that share ``port`` on 127.0.0.1."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def rank_worker(

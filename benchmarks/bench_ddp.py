@@ -41,14 +41,22 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
+from benchmarks._processes import (
+    Worker,
+    emit,
+    free_ports,
+    join_gloo,
+    rank_worker,
+    serve,
+    started,
+    time_in_turns,
+)
 
 __all__ = ["main"]
 
@@ -111,17 +119,10 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def setup_rank(rank: int, port: int, config: dict[str, Any], timeout_s: float) -> tuple[Any, Any]:
     """Join the gloo group as ``rank``; return the workload's MLP (same seed on every rank) and its batch."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     torch.set_num_threads(config["threads"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    join_gloo(rank, WORLD, port, timeout_s)
     width = config["width"]
     torch.manual_seed(0)
     layers: list[nn.Module] = []

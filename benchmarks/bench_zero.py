@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,16 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._memory import held_bytes
-from benchmarks._processes import Worker, emit, free_ports, rank_worker, serve, started, time_in_turns
+from benchmarks._processes import (
+    Worker,
+    emit,
+    free_ports,
+    join_gloo,
+    rank_worker,
+    serve,
+    started,
+    time_in_turns,
+)
 from benchmarks._timing import Table
 from benchmarks.bench_ddp import (
     _config,
@@ -211,13 +219,7 @@ def _collectives_rank(rank: int, world: int, port: int, numel: int, rounds: int,
     from flatten_parametrize._distributed.shard import all_gather, reduce_scatter
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+    join_gloo(rank, world, port, 300)
     chunk = -(-numel // world)
     flat, padded = torch.randn(numel), torch.zeros(chunk * world)
     mine = padded[rank * chunk : (rank + 1) * chunk]
