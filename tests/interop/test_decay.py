@@ -237,6 +237,18 @@ def decay_warnings(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if str(w.message).startswith("weight decay:")]
 
 
+def assert_decays_and_trains_like_the_plain_model(
+    model: nn.Module, flat_opt: torch.optim.Optimizer, plain: nn.Module, plain_opt: torch.optim.Optimizer
+) -> None:
+    """The same decayed tensors, the same losses over 3 steps, the same weights, and no decay warning."""
+    assert decayed(model, flat_opt) == decayed(plain, plain_opt)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert one_step(model, flat_opt, 3) == one_step(plain, plain_opt, 3)
+    assert decay_warnings(record) == []
+    assert_same_values(model, plain)
+
+
 @pytest.mark.parametrize("groups", ["none", "weight_decay_groups"])
 def test_nanogpt_rule_on_a_flattened_model_decays_nothing_and_warns(groups: str):
     """nanoGPT's p.dim() >= 2 puts every (1-D) flat parameter on the no-decay side: warned before step 1."""
@@ -282,12 +294,7 @@ def test_transformers_rule_with_weight_decay_groups_decays_the_plain_models_tens
     register_flat_storage(model, weight_decay_groups(model))
     flat_opt = Trainer(model=model, args=training_args(tmp_path, weight_decay=0.1)).create_optimizer()
     plain_opt = Trainer(model=plain, args=training_args(tmp_path, weight_decay=0.1)).create_optimizer()
-    assert decayed(model, flat_opt) == decayed(plain, plain_opt)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        assert one_step(model, flat_opt, 3) == one_step(plain, plain_opt, 3)
-    assert decay_warnings(record) == []
-    assert_same_values(model, plain)
+    assert_decays_and_trains_like_the_plain_model(model, flat_opt, plain, plain_opt)
 
 
 @pytest.mark.parametrize("rule", ["nanogpt", "timm"])
@@ -303,12 +310,7 @@ def test_dim_rule_recipe_decays_the_plain_models_tensors_and_trains_like_it(rule
         plain_opt = torch.optim.AdamW(timm_param_groups(plain, 0.1), lr=1e-3, betas=(0.9, 0.95))
     storage = register_flat_storage(model, weight_decay_groups(model, no_decay=no_decay))
     flat_opt = torch.optim.AdamW(by_group_name(storage, 0.1), lr=1e-3, betas=(0.9, 0.95))
-    assert decayed(model, flat_opt) == decayed(plain, plain_opt)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        assert one_step(model, flat_opt, 3) == one_step(plain, plain_opt, 3)
-    assert decay_warnings(record) == []
-    assert_same_values(model, plain)
+    assert_decays_and_trains_like_the_plain_model(model, flat_opt, plain, plain_opt)
 
 
 @pytest.mark.parametrize(
