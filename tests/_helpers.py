@@ -6,6 +6,7 @@
   or any name -> tensor mapping) and the whole-behaviour check :func:`assert_agrees_with_twin`;
 - the optimizer-state comparator :func:`assert_same_optim_state`;
 - the training loop :func:`train_steps` (losses :func:`mean_square`, :func:`sum_square`);
+- the mixed-precision reference :func:`cast_per_forward` (float32 weights cast for each forward);
 - snapshots of everything a failed call must leave untouched: :func:`snapshot`,
   :func:`assert_unchanged`, :func:`assert_plain`;
 - the gloo launcher: :func:`spawn_gloo` runs a worker in 2 processes on 127.0.0.1.
@@ -306,6 +307,22 @@ def train_steps(
             after_step()
         losses.append(value.item())
     return losses
+
+
+def cast_per_forward(plain: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Callable[..., Any]:
+    """Return the forward of ``plain`` with its float32 weights (and inputs) cast to ``dtype`` for each call.
+
+    The reference of mixed precision that needs no library: ``torch.func.functional_call``
+    with the cast weights, so that backward accumulates the low-precision gradients into
+    ``plain``'s float32 parameters, as a policy's masters get them.
+    """
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        weights = {name: p.to(dtype) for name, p in plain.named_parameters()}
+        cast = [a.to(dtype) if torch.is_floating_point(a) else a for a in args]
+        return torch.func.functional_call(plain, weights, tuple(cast))
+
+    return forward
 
 
 # --------------------------------------------------------------------------- snapshot

@@ -58,7 +58,9 @@ def make_property(name: str) -> property:
                 entry is not None
                 and entry.flat is flat
                 and not entry.watch_ptr
-                and (entry.version < 0 or entry.version == flat._version)  # a source's views: fresh
+                # A source's views: fresh, and read inside the registered module's forward
+                # (outside it the source is shown the view, see GroupViews.view).
+                and (entry.version < 0 or (entry.version == flat._version and group.forward_depth))
             ):
                 view = entry.views[index]
                 if entry.grad:

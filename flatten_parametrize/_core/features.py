@@ -45,16 +45,19 @@ checks their imports). The seams, all of them:
   in-place update bumps ``_version``: optimizer steps (``ShardedOptimizer``'s
   gather too), ``load_state_dict`` in flat mode, landed ``.data`` writes,
   ``broadcast_params``, a ``copy_`` into the flat parameter or into a view of
-  it. What ``_version`` does not show comes with ``on_rebacked()`` (above).
-  Not covered before the next sync point: a view read outside the registered
-  module's forward (a submodule called on its own) right after an in-place
-  update.
+  it; so does reading ``.data`` of a flat parameter whose views come from a
+  source, or handing out views of it (``view_cache.GroupViews.aliased``). What
+  ``_version`` does not show comes with ``on_rebacked()`` (above).
 * **Views from another tensor**: ``group.views.source`` (see
-  ``view_cache.GroupViews``), a function ``flat -> tensor`` asked only when a
-  group's cache is rebuilt (also after the flat tensor's ``_version`` moved);
-  the feature updates its tensor in place, or sets a new one and calls
-  ``group.views.invalidate()``. ``group.views.cast``: the dtype the uncached
-  paths (torch.compile, tracing, vmap) convert the flat tensor to.
+  ``view_cache.GroupViews``), a ``view_cache.ViewSource``: called as
+  ``flat -> tensor`` only when a group's cache is rebuilt (also after the flat
+  tensor's ``_version`` moved), the feature updates its tensor in place, or
+  sets a new one and calls ``group.views.invalidate()``; ``exposed(index,
+  view)`` is told of each view served outside the registered module's
+  forward and ``land()`` runs at every sync point of the view cache, to land
+  what was written into the views (through ``.data`` too). ``group.views.cast``:
+  the dtype the uncached paths (torch.compile, tracing, vmap) convert the flat
+  tensor to.
 * **Reduce dtype**: ``group.views.grad_buffer.reduce_dtype``, the dtype in
   which gradient sync and ``ShardedOptimizer`` reduce the group's gradient.
 * **The autograd path**, per group, on ``group.views.grad_buffer``

@@ -28,6 +28,9 @@ class _Served(Protocol):
     def sync(self) -> None:
         """Land the values assigned to views' ``.data`` in the flat buffer."""
 
+    def on_data_read(self, flat: torch.Tensor) -> None:
+        """Take note that ``flat.data``, an alias no version counter follows, was handed out."""
+
     def on_data_replaced(self) -> None:
         """Drop the cached views: the flat buffer is about to be replaced."""
 
@@ -50,11 +53,13 @@ class FlatParameter(nn.Parameter):
     layout of its group, so it keeps meaning after ``torch.save`` /
     ``pickle`` and ``copy.deepcopy``.
 
-    Its ``.data`` and ``.grad`` behave as torch's, with two additions for the
+    Its ``.data`` and ``.grad`` behave as torch's, with additions for the
     group it serves: assigning ``.data`` (``module.to()``, ``vector_to_parameters``,
-    disk offload) drops the group's cached views, and reading ``.grad`` (as every
-    optimizer step and ``zero_grad`` do) first copies the values assigned to
-    views' ``.data`` (``layer.weight.data = t``) into the buffer.
+    disk offload) drops the group's cached views; reading ``.data`` under a
+    mixed-precision policy has the compute copy cast again before its next use
+    (``p.data.add_(...)`` moves no version counter); and reading ``.grad`` (as every
+    optimizer step and ``zero_grad`` do) first copies the values written into
+    views (``layer.weight.data = t``) into the buffer.
 
     Args:
         data: the one-dimensional buffer.
@@ -138,13 +143,18 @@ class FlatParameter(nn.Parameter):
             raise ValueError(f"FlatParameter layout needs {end} elements but the buffer holds {self.numel()}")
         self._names, self._shapes, self._numels, self._offsets = names, sizes, numels, offsets
 
-    # ``.data`` and ``.grad`` are torch's, with one addition each for the group's view cache:
-    # replacing ``.data`` drops the cached views (so a read never compares ``data_ptr()``), and
-    # reading ``.grad`` first lands the values assigned to views' ``.data`` (an optimizer step
-    # reads ``.grad`` of every parameter before it changes any: it steps the landed values).
+    # ``.data`` and ``.grad`` are torch's, with additions for the group's view cache: replacing
+    # ``.data`` drops the cached views (so a read never compares ``data_ptr()``); reading ``.data``
+    # tells views served from a copy (mixed precision) that the buffer may be written behind its
+    # version counter; reading ``.grad`` first lands the values written into views (an optimizer
+    # step reads ``.grad`` of every parameter before it changes any: it steps the landed values).
     @property
     def data(self) -> torch.Tensor:
         """The parameter's values, detached (as ``torch.Tensor.data``); assigning replaces the buffer."""
+        if not _is_compiling():
+            views = _served(self)
+            if views is not None:
+                views.on_data_read(self)
         return _BASE_DATA.__get__(self)
 
     @data.setter
@@ -230,7 +240,7 @@ class FlatParameter(nn.Parameter):
         return (
             rebuild_flat_parameter,
             (
-                self.data,
+                _BASE_DATA.__get__(self),
                 self.requires_grad,
                 self._names,
                 tuple(tuple(s) for s in self._shapes),
@@ -243,7 +253,7 @@ class FlatParameter(nn.Parameter):
         if id(self) in memo:
             return memo[id(self)]
         result = FlatParameter(
-            self.data.clone(memory_format=torch.preserve_format),
+            _BASE_DATA.__get__(self).clone(memory_format=torch.preserve_format),
             self.requires_grad,
             names=self._names,
             shapes=self._shapes,

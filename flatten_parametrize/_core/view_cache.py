@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,7 @@ __all__ = [
     "WRITE_SCANS",
     "CacheEntry",
     "GroupViews",
+    "ViewSource",
     "end_trace_split",
     "same_memory",
     "trace_split",
@@ -59,15 +60,18 @@ _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_tracing = torch._C._is_tracing
 _data_ptr = Tensor.data_ptr
+_graph_task_id = torch._C._current_graph_task_id
+_increment_version = torch.autograd.graph.increment_version
 #: Key of a thread's current entry in its cache dict; the entries themselves are keyed by grad
 #: mode (``True`` / ``False``).
 _CURRENT = "current"
 
 #: The work spent looking for writes made around the views (for tests and benchmarks):
 #: ``"parameters"`` counts the ``_parameters`` dicts of changed modules visited,
-#: ``"views"`` the cached views whose ``data_ptr()`` was compared. A forward in which nothing
-#: was written adds nothing to either.
-WRITE_SCANS = {"parameters": 0, "views": 0}
+#: ``"views"`` the cached views whose ``data_ptr()`` was compared, ``"exposed"`` the slots of a
+#: source's tensor (a compute copy) compared with what they held when a view of them was read
+#: outside the forward. A forward in which nothing was written adds nothing to any of them.
+WRITE_SCANS = {"parameters": 0, "views": 0, "exposed": 0}
 
 
 def same_memory(a: Tensor, b: Tensor) -> bool:
@@ -82,6 +86,39 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
         )
     except RuntimeError:  # tensors without storage (vmap, functorch wrappers)
         return a is b
+
+
+class ViewSource(Protocol):
+    """Where a feature serves a group's views from instead of the flat tensor (``GroupViews.source``).
+
+    E.g. a low-precision compute copy (``_features/mixed_precision.py``). Its
+    memory is not the flat tensor's, so what is written into the views must be
+    landed in the flat tensor by the source, and what is written into the flat
+    tensor behind its version counter must reach the source.
+    """
+
+    def __call__(self, flat: Tensor) -> Tensor:
+        """Return the one-dimensional tensor, of ``flat``'s size and device, to serve the views from.
+
+        Asked only when the group's cache is rebuilt: a first read, the flat
+        tensor replaced, or its ``_version`` moved.
+        """
+
+    def exposed(self, index: int, view: Tensor) -> None:
+        """Take note of slot ``index`` served as ``view`` outside the registered module's forward.
+
+        Code outside the forward may write into ``view`` through ``.data`` (an
+        init helper: ``layer.weight.data.normal_()``), which moves no version
+        counter: the source keeps what it needs to find such writes.
+        """
+
+    def land(self) -> None:
+        """Land in the flat tensor what was written into the source's views since the last call.
+
+        Called at every sync point of the view cache (:meth:`GroupViews.sync`):
+        the flat parameter's ``.grad`` read by an optimizer step, a ``.data``
+        read, a rebuilt cache, the library's own operations.
+        """
 
 
 class CacheEntry:
@@ -191,7 +228,7 @@ class GroupViews:
 
     Attributes:
         source: ``None`` (the views are views of the flat tensor), or a
-            feature's function ``source(flat) -> tensor`` that gives the tensor
+            feature's :class:`ViewSource`, ``source(flat) -> tensor``, that gives the tensor
             to serve the views from instead: one-dimensional, of the flat
             tensor's size, e.g. a copy in another dtype. It is called only when
             the cache is rebuilt (never on a cached read; the feature calls
@@ -206,6 +243,13 @@ class GroupViews:
             ``cast``). Views served from a source are rebuilt when the flat
             tensor's ``_version`` moved (one integer compared per read), so
             that the source sees every in-place update of the flat tensor.
+            A view read outside the registered module's forward is shown to
+            the source (:meth:`ViewSource.exposed`), and every :meth:`sync`
+            has it land what was written into its views; reading the flat
+            parameter's ``.data`` (an alias that no version counter follows,
+            which EMA libraries and hand-written steps write through) lands
+            those writes, then moves the flat tensor's ``_version``, so that
+            the source is asked again before the next use of the views.
         cast: ``None``, or the dtype that the uncached paths (torch.compile,
             jit tracing, vmap) convert the flat tensor to before splitting it,
             inside the traced graph: the counterpart of a ``source`` in another dtype.
@@ -224,6 +268,7 @@ class GroupViews:
         "cast",
         "check_next_forward",
         "flat_name",
+        "forward_depth",
         "layout",
         "names",
         "params",
@@ -245,8 +290,11 @@ class GroupViews:
         self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
         self._grad_buffer = GradBuffer()
-        self.source: Callable[[Tensor], Tensor] | None = None
+        self.source: ViewSource | None = None
         self.cast: torch.dtype | None = None
+        #: How many forwards of the registered module are running (its forward hooks count them):
+        #: views served from a source outside of them are shown to it (:meth:`ViewSource.exposed`).
+        self.forward_depth = 0
         #: With a source: the flat tensor, its ``data_ptr()`` and one detached split of it, for
         #: :meth:`master_view`.
         self._masters: tuple[Tensor, int, tuple[Tensor, ...]] | None = None
@@ -307,15 +355,21 @@ class GroupViews:
             view = entry.make(index, self._segments[index], self._shapes[index])
         if entry.watch_ptr and entry.ptr != _ptr(flat):
             return self._switch(flat, index)
-        if entry.version >= 0 and entry.version != flat._version:  # served from a source: refresh it
-            return self._switch(flat, index)
+        if entry.version >= 0:  # served from a source
+            if entry.version != flat._version:  # the flat tensor changed: ask the source again
+                return self._switch(flat, index)
+            if not self.forward_depth:
+                self._expose(index, view)  # type: ignore[arg-type]
         return view  # type: ignore[return-value]
 
     def master_view(self, index: int) -> Tensor:
         """Return slot ``index`` of the flat tensor itself, also where a ``source`` serves the views.
 
         What state dicts save and loads stage: the master's values, detached
-        when a source serves the views (one split per flat tensor, kept).
+        when a source serves the views (one split per flat tensor, kept). Such
+        a view goes to outside code, which may write through its ``.data``:
+        the flat tensor's ``_version`` moves, so that the source is asked again
+        before the next use of the views (see :meth:`aliased`).
         """
         if self.source is None:
             return self.view(index)
@@ -324,6 +378,7 @@ class GroupViews:
         ptr = _ptr(flat)
         if masters is None or masters[0] is not flat or masters[1] != ptr:
             masters = self._masters = (flat, ptr, flat.detach().split(self._split))
+        _mark_changed(flat)
         return masters[2][self._segments[index]].view(self._shapes[index])
 
     def _switch(self, flat: Tensor, index: int) -> Tensor:
@@ -353,7 +408,14 @@ class GroupViews:
         view = entry.views[index]
         if view is None:
             view = entry.make(index, self._segments[index], self._shapes[index])
+        if entry.version >= 0 and not self.forward_depth:
+            self._expose(index, view)
         return view
+
+    def _expose(self, index: int, view: Tensor) -> None:
+        """Show the source a view served outside the registered module's forward (and outside backward)."""
+        if _graph_task_id() == -1:  # a backward recomputing a checkpointed forward is not "outside"
+            self.source.exposed(index, view)  # type: ignore[union-attr]
 
     def _valid(self, entry: CacheEntry, flat: Tensor, ptr: int, index: int) -> bool:
         if entry.flat is not flat or (entry.watch_ptr and entry.ptr != ptr):
@@ -369,6 +431,12 @@ class GroupViews:
         old = cache.pop(grad, None)
         if old is not None:
             self._entries.discard(old)
+        other = cache.get(not grad)
+        if other is not None and other.version >= 0 and other.version != _version(flat):
+            # Views from a source that the flat tensor's change made stale: dropped now, so that
+            # views outside code holds are the only ones that keep their exposure alive.
+            del cache[not grad]
+            self._entries.discard(other)
         if flat.dim() != 1 or flat.shape[0] != self.layout.numel:
             raise RuntimeError(
                 f"{self.flat_name} has shape {tuple(flat.shape)} but its layout needs a "
@@ -420,6 +488,23 @@ class GroupViews:
         for entry in list(self._entries):
             if entry.written():
                 self._land(entry)
+        if self.source is not None:
+            self.source.land()
+
+    def aliased(self, flat: Tensor) -> None:
+        """Take note that an alias of ``flat`` that no version counter follows was handed out.
+
+        ``flat.data`` (EMA libraries, hand-written steps, init helpers write
+        through it) and views of the master given to outside code. Where the
+        views are served from a source, writes into them land first (the
+        master's values are about to be written), then the flat tensor's
+        ``_version`` moves, so that the next use of the views asks the source
+        again: one cast, after the write. Without a source the views alias
+        the flat tensor itself and nothing is needed.
+        """
+        if self.source is not None and self.params.get(self.flat_name) is flat:
+            self.sync()
+            _mark_changed(flat)
 
     def land_flagged(self) -> None:
         """Scan the views once if a read switched entries since the last forward (see :meth:`_switch`).
@@ -430,6 +515,10 @@ class GroupViews:
         if self.check_next_forward:
             self.check_next_forward = False
             self.sync()
+
+    def on_data_read(self, flat: Tensor) -> None:
+        """Called by a ``FlatParameter`` this group serves when its ``.data`` is read: see :meth:`aliased`."""
+        self.aliased(flat)
 
     def on_data_replaced(self) -> None:
         """Called by a ``FlatParameter`` this group serves before its ``.data`` is replaced: drop the views.
@@ -505,6 +594,7 @@ class GroupViews:
         new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
         new.cast = None
         new.check_next_forward = False
+        new.forward_depth = 0
         return new
 
     def __getstate__(self) -> None:
@@ -531,6 +621,14 @@ def _version(tensor: Tensor) -> int:
         return tensor._version
     except RuntimeError:  # inference tensors keep no version counter (nor can they change)
         return -1
+
+
+def _mark_changed(tensor: Tensor) -> None:
+    """Move ``tensor``'s ``_version``: views served from a source are made again at their next use."""
+    try:
+        _increment_version(tensor)
+    except RuntimeError:  # inference tensors keep no version counter (nor can they change)
+        pass
 
 
 def _ptr(tensor: Tensor) -> int:
@@ -580,23 +678,40 @@ def trace_split(module: nn.Module, args: Any) -> None:
     compiled forward takes every view from that split (as graph inputs). The
     hooks' frames are never compiled on their own (``never_compiled``):
     that would add a graph per call and compile the write check's helpers.
+
+    It also counts the forwards running on each group's views
+    (``GroupViews.forward_depth``, decremented by :func:`end_trace_split`):
+    views served from a source outside of them are shown to the source.
     """
     storage = registered_storage(module)
-    if _is_compiling() or _tracing_a_module(module):
-        for group in storage.groups():
+    groups = storage.groups()
+    if _is_compiling() or _tracing_a_module(module):  # views uncached: nothing to count
+        for group in groups:
             group.views.trace(True)
-    else:
-        storage.sync_writes(forward=True)
-        if in_compiled_module_call():
-            for group in storage.groups():
-                group.views.trace(True)
+        return
+    for group in groups:
+        group.views.forward_depth += 1
+    storage.sync_writes(forward=True)
+    if in_compiled_module_call():
+        for group in groups:
+            group.views.trace(True)
 
 
 def end_trace_split(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of the registered module: forget the traced split (see ``trace_split``)."""
-    if _is_compiling() or _tracing_a_module(module) or in_compiled_module_call():
-        for group in registered_storage(module).groups():
+    """Forward hook of the registered module (called also when the forward raises): see ``trace_split``."""
+    storage = registered_storage(module)
+    if storage is None:
+        return
+    if _is_compiling() or _tracing_a_module(module):
+        for group in storage.groups():
             group.views.trace(False)
+        return
+    traced = in_compiled_module_call()
+    for group in storage.groups():
+        views = group.views
+        views.forward_depth = max(views.forward_depth - 1, 0)
+        if traced:
+            views.trace(False)
 
 
 never_compiled(trace_split)

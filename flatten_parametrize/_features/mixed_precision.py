@@ -32,10 +32,21 @@ step post-hook (registered with the first policy) moves the version of every
 master with a compute copy that an optimizer just stepped, so that their
 views and compute copies see the step like any other in-place update.
 
-Writes into the compute copy (``with torch.no_grad(): layer.weight.mul_(2)``
-in flat mode) are found at the next sync point or recast by the copy's own
-``_version`` and land in the master, element by element where the copy and
-the master's cast differ (values rounded to ``param_dtype``, as written).
+Writes (the table of ``docs/mixed-precision.md``). Into the compute copy
+(``with torch.no_grad(): layer.weight.mul_(2)`` in flat mode): found at the
+next sync point or recast by the copy's own ``_version``, they land in the
+master element by element where the copy and the master's cast differ (values
+rounded to ``param_dtype``, as written). Through ``.data`` of a view, which
+moves no version counter: a view served outside the registered module's
+forward is *exposed* (:meth:`MixedPrecision.expose` keeps a snapshot of its
+slot); at each sync point the slot is compared with it and the elements that
+differ land the same way. Exposures live while their views do (outside code
+may keep one); after an optimizer step their copy is cast at once, so that
+such views show the stepped values. Through ``.data`` of the master (EMA
+libraries, hand-written steps): reading it moves the master's ``_version``
+(``GroupViews.aliased``), so the copy is cast after the write. A copy write
+that meets an in-place change of the master before any sync point raises.
+Nothing is compared or cast in a forward when nothing was written.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
@@ -54,6 +66,7 @@ from .._core.features import Coordinator, storage_of
 from .._core.foreign import is_fsdp2_compute_param
 from .._core.names import registered_storage
 from .._core.records import Group
+from .._core.view_cache import WRITE_SCANS
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -165,6 +178,18 @@ def _module_casts(
 
 
 @dataclass
+class _Exposure:
+    """A slot of a compute copy served outside the forward: what it held then, and the views served."""
+
+    snapshot: Tensor
+    views: list[weakref.ref[Tensor]]
+
+    def alive(self) -> bool:
+        """Return whether outside code (or the view cache) still holds one of the views served."""
+        return any(ref() is not None for ref in self.views)
+
+
+@dataclass
 class _ComputeCopy:
     """One group's compute copy and what it was cast from."""
 
@@ -174,6 +199,9 @@ class _ComputeCopy:
     ptr: int = -1
     version: int = -1  # the master's ``_version`` when cast
     own_version: int = -1  # the copy's ``_version`` after the cast (a write into it moves it)
+    #: Slots served outside the registered module's forward, by slot index: their ``.data`` may be
+    #: written (init helpers), which moves no version counter, so each is compared with its snapshot.
+    exposed: dict[int, _Exposure] = _field(default_factory=dict)
 
 
 #: A float32 -> param_dtype conversion of a whole group (tests count them).
@@ -183,13 +211,19 @@ CASTS = {"groups": 0}
 #: compare tensors with ``==``).
 _MASTERS: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 _STEP_HOOK: list[Any] = []
+#: Masters (by ``id``) whose compute copy has views held outside the forward (see
+#: ``MixedPrecision.expose``): the feature and group to cast again right after a step.
+_HELD: dict[int, tuple[weakref.ref[MixedPrecision], int]] = {}
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Global optimizer step post-hook: move the ``_version`` of every stepped master with a compute copy.
 
     A fused step (``fused=True``) updates parameters in place without moving
-    their version counters; the views and compute copies watch them.
+    their version counters; the views and compute copies watch them. A compute
+    copy whose views outside code holds is cast at once: those views show the
+    stepped values before anything writes through them (weight clipping after
+    the step), as views of the master itself would.
     """
     if not _MASTERS:
         return
@@ -199,6 +233,10 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             master = masters.get(id(param))
             if master is not None and master is param:
                 torch.autograd.graph.increment_version(master)
+                held = _HELD.get(id(param))
+                feature = None if held is None else held[0]()
+                if feature is not None:
+                    feature.cast_held(held[1], master)  # type: ignore[index]
 
 
 def _watch(master: Tensor) -> None:
@@ -239,16 +277,8 @@ class MixedPrecision:
         return storage_of(self._storage_ref)
 
     # ---------------------------------------------------------------- views
-    def _source_for(self, g: int) -> Callable[[Tensor], Tensor]:
-        ref = weakref.ref(self)
-
-        def source(flat: Tensor) -> Tensor:
-            feature = ref()
-            if feature is None:  # pragma: no cover - the feature lives as long as its core
-                return flat
-            return feature.compute_copy(g, flat)
-
-        return source
+    def _source_for(self, g: int) -> _GroupSource:
+        return _GroupSource(weakref.ref(self), g)
 
     def compute_copy(self, g: int, flat: Tensor) -> Tensor:
         """Return the tensor that group ``g``'s views are served from when its flat tensor is ``flat``.
@@ -285,12 +315,106 @@ class MixedPrecision:
             copy.master, copy.ptr, copy.version = flat, ptr, -1
             _watch(flat)
         if copy.version != flat._version:
+            self._land_exposed(group, copy)  # before the cast overwrites what was written
             with torch.inference_mode(False), torch.no_grad():
                 tensor.copy_(flat.detach())
-            CASTS["groups"] += 1
-            copy.version = flat._version
-            copy.own_version = tensor._version
+                CASTS["groups"] += 1
+                copy.version = flat._version
+                copy.own_version = tensor._version
+                if copy.exposed:  # views outside code still holds: compared with the new values
+                    slots = group.views.split(tensor)
+                    for index, exposure in list(copy.exposed.items()):
+                        if exposure.alive():
+                            exposure.snapshot.copy_(slots[index])
+                        else:
+                            del copy.exposed[index]
         return tensor
+
+    def expose(self, g: int, index: int, view: Tensor) -> None:
+        """Keep what slot ``index`` of group ``g``'s compute copy holds, served as ``view`` outside a forward.
+
+        Writes through ``view.data`` move no version counter; :meth:`land_exposed`
+        compares the slot with this snapshot. Once per slot until it is landed;
+        a view served again later is added to the slot's record.
+        """
+        copy = self._copies[g]
+        exposure = copy.exposed.get(index)
+        if exposure is None:
+            with torch.inference_mode(False), torch.no_grad():
+                snapshot = view.detach().clone()
+            copy.exposed[index] = _Exposure(snapshot, [weakref.ref(view)])
+            if copy.master is not None:
+                _HELD[id(copy.master)] = (weakref.ref(self), g)
+        elif not any(ref() is view for ref in exposure.views):
+            exposure.views.append(weakref.ref(view))
+
+    def land_exposed(self, g: int) -> None:
+        """Land what was written into group ``g``'s compute copy through views it served (tracked or not)."""
+        copy = self._copies.get(g)
+        if copy is None:
+            return
+        group = self._storage.groups()[g]
+        self._land_written(group, copy)
+        self._land_exposed(group, copy)
+
+    def cast_held(self, g: int, master: Tensor) -> None:
+        """Cast group ``g``'s compute copy now if ``master`` changed and views of it are held (a step)."""
+        group = self._storage.groups()[g]
+        copy = self._copies[g]
+        if group.flat is master and copy.master is master:
+            self.compute_copy(g, master)
+        if not copy.exposed:
+            _HELD.pop(id(master), None)
+
+    def _land_exposed(self, group: Group, copy: _ComputeCopy) -> None:
+        """Land the values written through ``.data`` of views served outside the forward (see :meth:`expose`).
+
+        Each exposed slot is compared with its snapshot: the elements that differ
+        were written into the copy, rounded to ``param_dtype``, and land in the
+        master, unless the master changed since the copy was cast (then the
+        write cannot be told apart from that change: refused). Slots whose
+        views nobody holds any more are forgotten. Nothing is compared while
+        a cast is due anyway (after a refused write, or re-backed buffers): the
+        cast takes new snapshots of the slots whose views are still held.
+
+        Raises:
+            RuntimeError: if a slot was written and the master changed in place
+                since the copy was cast (the write is dropped).
+        """
+        if not copy.exposed or copy.version < 0:  # a cast is due: what the copy holds is dropped anyway
+            return
+        tensor, flat = copy.tensor, copy.master
+        if tensor is None or flat is None or flat is not group.flat or copy.ptr != flat.data_ptr():
+            copy.exposed.clear()  # the master was replaced since: it wins
+            return
+        slots = group.views.split(tensor)
+        written: list[tuple[int, Tensor]] = []
+        with torch.inference_mode(False), torch.no_grad():
+            for index, exposure in list(copy.exposed.items()):
+                WRITE_SCANS["exposed"] += 1
+                changed = slots[index] != exposure.snapshot
+                if bool(changed.any()):
+                    written.append((index, changed))
+                    exposure.snapshot.copy_(slots[index])
+                if not exposure.alive():
+                    del copy.exposed[index]
+            if not written:
+                return
+            if copy.version != flat._version:
+                copy.version = -1  # cast again: the writes are dropped
+                names = [group.views.names[i] for i, _ in written]
+                raise RuntimeError(
+                    f"a write through `.data` of {', '.join(names)} (a {copy.dtype} view of group "
+                    f"'{group.name}''s compute copy) and an in-place change of the master "
+                    f"{group.flat_name} happened between two uses of the views, so the write cannot "
+                    "be told apart from the master's change and was dropped; write values with "
+                    "`with torch.no_grad(): layer.weight.copy_(value)`, through the master "
+                    "(`storage.views_of(storage.flat_params)[name]`), or inside storage.unflattened()"
+                )
+            masters = group.views.split(flat.detach())
+            for index, changed in written:
+                masters[index][changed] = slots[index][changed].to(flat.dtype)  # moves _version
+        copy.version = flat._version  # the copy holds the written values already
 
     def _land_written(self, group: Group, copy: _ComputeCopy) -> None:
         """Land values written into the compute copy (through a view, in place) in the master."""
@@ -334,6 +458,7 @@ class MixedPrecision:
         for g, copy in self._copies.items():
             if copy.tensor is not None and copy.tensor._version != copy.own_version:
                 self._land_written(groups[g], copy)
+            self._land_exposed(groups[g], copy)
 
     def on_removed(self) -> None:
         """Forget the compute copies and remove the forward hooks."""
@@ -344,6 +469,9 @@ class MixedPrecision:
                 group.views.cast = None
                 group.views.grad_buffer.reduce_dtype = None
             _unhook(storage.module_unchecked)
+        for copy in self._copies.values():
+            if copy.master is not None:
+                _HELD.pop(id(copy.master), None)
         self._copies.clear()
 
     def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> MixedPrecision:
@@ -361,6 +489,32 @@ class MixedPrecision:
             module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
         if self.output_dtype is not None:
             module.register_forward_hook(_cast_output)
+
+
+class _GroupSource:
+    """One group's ``GroupViews.source``: its compute copy, and the writes made into its views."""
+
+    __slots__ = ("_feature", "_g")
+
+    def __init__(self, feature: weakref.ref[MixedPrecision], g: int) -> None:
+        self._feature = feature
+        self._g = g
+
+    def __call__(self, flat: Tensor) -> Tensor:
+        feature = self._feature()
+        if feature is None:  # pragma: no cover - the feature lives as long as its core
+            return flat
+        return feature.compute_copy(self._g, flat)
+
+    def exposed(self, index: int, view: Tensor) -> None:
+        feature = self._feature()
+        if feature is not None:
+            feature.expose(self._g, index, view)
+
+    def land(self) -> None:
+        feature = self._feature()
+        if feature is not None:
+            feature.land_exposed(self._g)
 
 
 def restore_mixed_precision(

@@ -322,6 +322,8 @@ class StorageCore:
     def views_of(self, tensors: FlatTensors, remove_duplicate: bool = True) -> dict[str, Tensor]:
         """Return ``{name: view}`` over tensors shaped like the flat parameters."""
         items = self.per_group_tensors(tensors, "views_of()", exact=False)
+        for group, t in zip(self._groups, items):
+            group.views.aliased(t)  # views of a master go to outside code, which may write their `.data`
         splits = [group.split(t) for group, t in zip(self._groups, items)]
         modules = dict(self.module.named_modules(remove_duplicate=False))
         return {

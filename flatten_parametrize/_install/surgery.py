@@ -282,16 +282,19 @@ def _add_trace_hooks(root: nn.Module, tx: Transaction) -> None:
     """Have the registered module's forward split each group once when compiled or traced."""
     tx.keep_dict(root._forward_pre_hooks)
     tx.keep_dict(root._forward_hooks)
+    tx.keep_dict(root._forward_hooks_always_called)
     root.register_forward_pre_hook(trace_split)
-    root.register_forward_hook(end_trace_split)
+    root.register_forward_hook(end_trace_split, always_call=True)  # it counts the running forwards
 
 
 def _remove_trace_hooks(root: nn.Module, tx: Transaction) -> None:
+    tx.keep_dict(root._forward_hooks_always_called)
     for hooks in (root._forward_pre_hooks, root._forward_hooks):
         tx.keep_dict(hooks)
         for hook_id, hook in list(hooks.items()):
             if hook is trace_split or hook is end_trace_split:
                 del hooks[hook_id]
+                root._forward_hooks_always_called.pop(hook_id, None)
 
 
 def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter], tx: Transaction) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
 from typing import Any
 
@@ -213,6 +212,22 @@ class ToMaster:
         return grad.to(self.feature.core().groups()[self.g].flat.dtype)
 
 
+class Float64Source:
+    """One group's ``GroupViews.source`` (a ``view_cache.ViewSource``): this test writes into no view."""
+
+    def __init__(self, feature: Float64Copy, g: int) -> None:
+        self.feature, self.g = feature, g
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.feature.source(self.g, flat)
+
+    def exposed(self, index: int, view: torch.Tensor) -> None:
+        self.feature.exposed += 1
+
+    def land(self) -> None:
+        pass
+
+
 class Float64Copy:
     """A tiny compute-copy feature: each group's views are served from a float64 copy of its flat parameter.
 
@@ -223,11 +238,11 @@ class Float64Copy:
 
     def __init__(self, core: Any, convert: bool = True) -> None:
         self.core = weakref.ref(core)
-        self.casts = self.sourced = self.converted = 0
+        self.casts = self.sourced = self.converted = self.exposed = 0
         self.copies: dict[int, torch.Tensor] = {}
         self.seen: dict[int, tuple[Any, ...]] = {}
         for group in core.groups():
-            group.views.source = functools.partial(self.source, group.index)
+            group.views.source = Float64Source(self, group.index)
             if convert:
                 group.views.grad_buffer.add_hook(ToMaster(self, group.index))
             group.views.invalidate()

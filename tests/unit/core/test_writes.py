@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from flatten_parametrize import FlatParameter, get_flat_storage, register_flat_storage
@@ -335,11 +336,16 @@ def _encoder() -> nn.Module:
     return nn.TransformerEncoder(layer, 3, enable_nested_tensor=False).eval()
 
 
+_NOTHING = {"parameters": 0, "views": 0, "exposed": 0}
+
+
+@pytest.mark.parametrize("policy", [None, "bfloat16"])
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
-def test_a_forward_in_which_nothing_was_written_scans_nothing(mode):
-    """Steady forwards visit no `_parameters` dict and no cached view looking for writes (a count)."""
+def test_a_forward_in_which_nothing_was_written_scans_nothing(mode, policy):
+    """Steady forwards visit no `_parameters` dict, cached view or compute-copy slot looking for writes."""
     model = _encoder()
-    storage = register_flat_storage(model)
+    mixed = None if policy is None else MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    storage = register_flat_storage(model, mixed_precision=mixed)
     x = torch.randn(2, 4, 16)
     context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
 
@@ -349,7 +355,7 @@ def test_a_forward_in_which_nothing_was_written_scans_nothing(mode):
                 model(x)
 
     forwards()  # the first reads make the views; the next forward checks them once
-    assert _scanned_by(forwards) == {"parameters": 0, "views": 0}
+    assert _scanned_by(forwards) == _NOTHING
     # The old check visited every changed module and every cached view on each forward.
     core = core_of(storage)
     assert _scanned_by(core.sync_writes)["parameters"] == len(core.members()) > 10
@@ -368,7 +374,7 @@ def test_a_forward_after_a_write_lands_it():
             model(x)
             model(x)
     with torch.no_grad():
-        assert _scanned_by(lambda: flat(x)) == {"parameters": 0, "views": 0}
+        assert _scanned_by(lambda: flat(x)) == _NOTHING
     new = torch.randn(5, 5)
     for model in (plain, flat):
         model[2].weight.data = new.clone()  # a read in grad mode: another cache entry

@@ -1,8 +1,8 @@
 """Mixed precision on the flat buffers (``register_flat_storage(..., mixed_precision=policy)``).
 
-The reference needs no library: a plain model whose float32 weights are cast to
-``param_dtype`` for each forward (``torch.func.functional_call``) and whose
-low-precision gradients are accumulated into its float32 parameters.
+The reference needs no library (``_helpers.cast_per_forward``): a plain model whose
+float32 weights are cast to ``param_dtype`` for each forward and whose low-precision
+gradients are accumulated into its float32 parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import TiedLM, assert_unchanged, core_of, snapshot, twin
+from _helpers import TiedLM, assert_unchanged, cast_per_forward, core_of, snapshot, twin
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 _aten = torch.ops.aten
@@ -43,17 +43,6 @@ class _Block(nn.Module):
         h = self.embed(tokens)
         h = h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
         return self.head(h)
-
-
-def _reference(plain: nn.Module, dtype: torch.dtype = torch.bfloat16):
-    """The forward of ``plain`` with its float32 weights cast to ``dtype`` for this call."""
-
-    def forward(*args: torch.Tensor) -> torch.Tensor:
-        weights = {name: p.to(dtype) for name, p in plain.named_parameters()}
-        cast = [a.to(dtype) if torch.is_floating_point(a) else a for a in args]
-        return torch.func.functional_call(plain, weights, tuple(cast))
-
-    return forward
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -119,7 +108,7 @@ def test_training_matches_the_cast_per_forward_reference(micro_batches):
     plain = _Block()
     model = twin(plain)
     storage = register_flat_storage(model, mixed_precision=BF16)
-    reference = _reference(plain)
+    reference = cast_per_forward(plain)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
     batches = _batches(3 * micro_batches)
@@ -356,7 +345,7 @@ def test_functional_call_with_the_flat_parameter_name():
     t = storage["0"].detach().clone()
     batch = _batches(1)[0]
     out = torch.func.functional_call(model, {"flat_param_0": t}, (batch,))
-    assert torch.equal(out, _reference(plain)(batch))
+    assert torch.equal(out, cast_per_forward(plain)(batch))
 
 
 def test_stack_and_call_stacked():
@@ -448,7 +437,7 @@ def test_fp16_with_grad_scaler_trains_as_the_plain_model():
     plain = _Block()
     model = twin(plain)
     register_flat_storage(model, mixed_precision=policy)
-    reference = _reference(plain, torch.float16)
+    reference = cast_per_forward(plain, torch.float16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(
