@@ -63,12 +63,10 @@ def make_property(name: str) -> property:
                 and (entry.version < 0 or (entry.version == flat._version and group.forward_depth))
             ):
                 view = entry.views[index]
-                if entry.grad:
-                    if (
-                        _is_grad_enabled()
-                        and entry.requires_grad is flat.requires_grad
-                        and view.grad_fn is entry.node
-                    ):
+                if entry.requires_grad is not flat.requires_grad:
+                    pass  # frozen or unfrozen since: GroupViews.view makes the views again
+                elif entry.grad:
+                    if _is_grad_enabled() and view.grad_fn is entry.node:
                         return view
                 elif view is not None and not _is_grad_enabled():
                     return view

@@ -112,6 +112,14 @@ class ViewSource(Protocol):
         counter: the source keeps what it needs to find such writes.
         """
 
+    def watching(self) -> bool:
+        """Return whether views served outside the forward are watched now (:meth:`exposed`).
+
+        While they are, a changed flat tensor makes new views (the old ones
+        stop being watched unless outside code holds them); otherwise the
+        views are kept and the source's tensor is updated in place.
+        """
+
     def land(self) -> None:
         """Land in the flat tensor what was written into the source's views since the last call.
 
@@ -129,9 +137,10 @@ class CacheEntry:
     (and write in place). Under grad mode the views are the outputs of one
     autograd node (made all at once), or plain views for a frozen buffer.
 
-    Valid while the flat tensor is the same object and, in grad mode, has the
-    same ``requires_grad`` and the view served still has the node's history (an
-    in-place change of a view under grad mode adds to it). A ``FlatParameter``
+    Valid while the flat tensor is the same object with the same
+    ``requires_grad`` (the views require grad where it does, in both modes) and,
+    in grad mode, the view served still has the node's history (an in-place
+    change of a view under grad mode adds to it). A ``FlatParameter``
     drops the cache itself when its ``.data`` is replaced; for any other flat
     tensor (FSDP2's unsharded parameter, whose memory is freed and allocated
     again; substitutes of ``using()``), ``data_ptr()`` is compared at each read
@@ -172,6 +181,7 @@ class CacheEntry:
         "ptr",
         "ptrs",
         "requires_grad",
+        "served",
         "version",
         "views",
         "watch_ptr",
@@ -199,12 +209,26 @@ class CacheEntry:
         #: ``flat._version`` when the views were served from ``GroupViews.source`` (``-1``: from
         #: the flat tensor itself, whose in-place updates the views share).
         self.version = version
+        #: The source's tensor the views alias (``None``: the flat tensor's own views).
+        self.served: Tensor | None = None
         first = views[0] if views else None
         self.node = None if first is None else first.grad_fn
 
     def make(self, index: int, segment: int, shape: tuple[int, ...]) -> Tensor:
-        """Make the view of slot ``index`` (no-grad entries make their views on first use)."""
-        view = self.views[index] = self.chunks[segment].view(shape)  # type: ignore[index]
+        """Make the view of slot ``index`` (no-grad entries make their views on first use).
+
+        Where the flat tensor requires grad it is a detached alias that requires grad, as the
+        plain model's parameter is under ``no_grad``: torch's ``matmul`` folds a non-contiguous
+        batch into one ``mm`` only when the weight's transpose requires grad, and otherwise
+        expands the weight into a batched copy (a linear layer on a transposed input, as
+        ``MultiheadAttention(batch_first=True)`` runs it, was 4x slower under ``no_grad`` with
+        plain views). It shares the buffer's memory and version counter; no history is
+        recorded under ``no_grad``.
+        """
+        view = self.chunks[segment].view(shape)  # type: ignore[index]
+        if self.requires_grad:
+            view = view.detach().requires_grad_()
+        self.views[index] = view
         self.made.append(index)
         self.made_views.append(view)
         self.ptrs.append(view.data_ptr())
@@ -345,19 +369,20 @@ class GroupViews:
         if entry is None or entry.flat is not flat or entry.grad is not _is_grad_enabled():
             return self._switch(flat, index)
         view = entry.views[index]
+        if entry.requires_grad is not flat.requires_grad:  # frozen or unfrozen since
+            return self._switch(flat, index)
         if entry.grad:
-            # Frozen or unfrozen since; or a view changed in place under grad mode, which
-            # carries that change in its history: serving it again would differentiate
-            # through it every pass.
-            if entry.requires_grad is not flat.requires_grad or view.grad_fn is not entry.node:  # type: ignore[union-attr]
+            # A view changed in place under grad mode carries that change in its history:
+            # serving it again would differentiate through it every pass.
+            if view.grad_fn is not entry.node:  # type: ignore[union-attr]
                 return self._switch(flat, index)
         elif view is None:
             view = entry.make(index, self._segments[index], self._shapes[index])
         if entry.watch_ptr and entry.ptr != _ptr(flat):
             return self._switch(flat, index)
         if entry.version >= 0:  # served from a source
-            if entry.version != flat._version:  # the flat tensor changed: ask the source again
-                return self._switch(flat, index)
+            if entry.version != flat._version and not self._refreshed(entry, flat):
+                return self._switch(flat, index)  # the source gave another tensor: new views
             if not self.forward_depth:
                 self._expose(index, view)  # type: ignore[arg-type]
         return view  # type: ignore[return-value]
@@ -412,6 +437,26 @@ class GroupViews:
             self._expose(index, view)
         return view
 
+    def _refreshed(self, entry: CacheEntry, flat: Tensor) -> bool:
+        """Have the source update its tensor for the changed flat tensor; return whether ``entry`` still serves.
+
+        The source updates its tensor in place (a compute copy cast again
+        after an optimizer step): the entry's views alias it and stay valid, so
+        a step costs no new views. Views are made anew (``False``) where the
+        source gives another tensor, where one of them was assigned through
+        ``.data`` (landed and retired by :meth:`sync`), and where the source
+        watches views served outside the forward (then only views that outside
+        code holds keep being watched).
+        """
+        source = self.source
+        if entry.served is None or source is None or source.watching():
+            return False
+        self.sync()
+        if entry.flat is not flat or _source(self, flat) is not entry.served:
+            return False
+        entry.version = _version(flat)
+        return True
+
     def _expose(self, index: int, view: Tensor) -> None:
         """Show the source a view served outside the registered module's forward (and outside backward)."""
         if _graph_task_id() == -1:  # a backward recomputing a checkpointed forward is not "outside"
@@ -422,9 +467,10 @@ class GroupViews:
             return False
         if entry.version >= 0 and entry.version != flat._version:
             return False
+        if entry.requires_grad is not flat.requires_grad:
+            return False
         if entry.grad:
-            view = entry.views[index]
-            return entry.requires_grad is flat.requires_grad and view.grad_fn is entry.node  # type: ignore[union-attr]
+            return entry.views[index].grad_fn is entry.node  # type: ignore[union-attr]
         return True
 
     def _rebuild(self, flat: Tensor, grad: bool, ptr: int, cache: dict[Any, CacheEntry]) -> CacheEntry:
@@ -462,6 +508,7 @@ class GroupViews:
         entry = cache[grad] = CacheEntry(
             flat, ptr, grad, chunks, views, -1 if served is None else _version(flat)
         )
+        entry.served = served
         self._entries.add(entry)
         return entry
 

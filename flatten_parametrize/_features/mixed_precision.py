@@ -511,6 +511,10 @@ class _GroupSource:
         if feature is not None:
             feature.expose(self._g, index, view)
 
+    def watching(self) -> bool:
+        feature = self._feature()
+        return feature is not None and bool(feature._copies[self._g].exposed)
+
     def land(self) -> None:
         feature = self._feature()
         if feature is not None:
@@ -545,12 +549,28 @@ def _cast_to(dtype: torch.dtype, tree: Any) -> Any:
     )
 
 
+def _needs_cast(dtype: torch.dtype, value: Any) -> bool:
+    """Return whether ``value`` may hold a floating-point tensor of another dtype (containers: maybe)."""
+    if isinstance(value, Tensor):
+        return torch.is_floating_point(value) and value.dtype != dtype
+    return isinstance(value, (tuple, list, dict)) or not isinstance(value, (int, float, bool, str, type(None)))
+
+
 def _cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> Any:
-    """Forward pre-hook: floating-point inputs to ``param_dtype`` (FSDP2's ``cast_forward_inputs``)."""
+    """Forward pre-hook: floating-point inputs to ``param_dtype`` (FSDP2's ``cast_forward_inputs``).
+
+    Inputs that need no cast (token ids, tensors already in ``param_dtype``,
+    flags) are left as they are without walking them as a pytree.
+    """
     feature = _feature_of(module)
     if feature is None or feature.input_dtype is None:
         return None
-    return _cast_to(feature.input_dtype, args), _cast_to(feature.input_dtype, kwargs)
+    dtype = feature.input_dtype
+    if not any(_needs_cast(dtype, a) for a in args) and not any(
+        _needs_cast(dtype, v) for v in kwargs.values()
+    ):
+        return None
+    return _cast_to(dtype, args), _cast_to(dtype, kwargs)
 
 
 def _cast_output(module: nn.Module, args: Any, output: Any) -> Any:

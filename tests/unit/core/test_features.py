@@ -224,6 +224,9 @@ class Float64Source:
     def exposed(self, index: int, view: torch.Tensor) -> None:
         self.feature.exposed += 1
 
+    def watching(self) -> bool:
+        return False
+
     def land(self) -> None:
         pass
 

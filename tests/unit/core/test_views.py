@@ -446,9 +446,50 @@ def test_views_without_grad_are_kept_across_in_place_updates_and_follow_them(mod
     with context():
         after = model[0].weight
         assert after is before  # served from the cache: no split, no view rebuilt
-        assert after.grad_fn is None and not after.requires_grad
+        assert after.grad_fn is None and after.requires_grad  # as the plain parameter
         torch.testing.assert_close(after, plain[0].weight)
         torch.testing.assert_close(model(x), plain(x))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_views_without_grad_run_the_plain_models_kernels(mode):
+    """Under no_grad a view requires grad as the plain parameter does, so torch picks the same kernels.
+
+    torch's ``matmul`` folds a transposed batch (``MultiheadAttention(batch_first=True)`` in train
+    mode) into one ``mm`` only when the weight requires grad; otherwise it copies the weight out
+    per batch row (``bmm`` over an expanded weight: 4x slower on a bfloat16 encoder).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    plain = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    x = torch.randn(3, 5, 16)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    seen = []
+    for m in (plain, model):
+        with context():
+            m(x, x, x)
+            with Ops() as ops:
+                out = m(x, x, x)[0]
+        seen.append((ops.ops, out))
+    assert seen[1][0] == seen[0][0]
+    assert torch.equal(seen[1][1], seen[0][1])
+    with context():
+        assert model.in_proj_weight.requires_grad
+    storage["0"].requires_grad_(False)  # frozen: the views follow, as frozen parameters do
+    with context():
+        assert not model.in_proj_weight.requires_grad
 
 
 def test_grad_mode_views_are_kept_across_in_place_updates_and_train_like_plain():
