@@ -438,7 +438,7 @@ class GroupViews:
         return view
 
     def _refreshed(self, entry: CacheEntry, flat: Tensor) -> bool:
-        """Have the source update its tensor for the changed flat tensor; return whether ``entry`` still serves.
+        """Have the source update its tensor for the changed flat tensor; return whether ``entry`` serves on.
 
         The source updates its tensor in place (a compute copy cast again
         after an optimizer step): the entry's views alias it and stay valid, so

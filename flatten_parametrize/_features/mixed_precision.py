@@ -553,7 +553,7 @@ def _needs_cast(dtype: torch.dtype, value: Any) -> bool:
     """Return whether ``value`` may hold a floating-point tensor of another dtype (containers: maybe)."""
     if isinstance(value, Tensor):
         return torch.is_floating_point(value) and value.dtype != dtype
-    return isinstance(value, (tuple, list, dict)) or not isinstance(value, (int, float, bool, str, type(None)))
+    return not isinstance(value, (int, float, bool, str, type(None)))  # containers and others: maybe
 
 
 def _cast_inputs(module: nn.Module, args: Any, kwargs: Any) -> Any:
