@@ -72,6 +72,17 @@ def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
         assert f"| {contender} " in out, contender
 
 
+@pytest.mark.parametrize("row", ["1", "fb"])
+def test_mixed_precision_in_process_ab_prints_every_contender(tmp_path: Path, row: str) -> None:
+    """`python -m benchmarks.ab_mixed_precision --quick` times the contenders call by call, with ratios."""
+    done = _run(["-m", "benchmarks.ab_mixed_precision", "--quick", "--turns", "3", "--row", row], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    base = "plain bfloat16" if row == "fb" else "plain autocast"
+    assert f"ratios to {base} (lower is faster)" in done.stdout
+    for contender in ("plain autocast", "plain bfloat16", "hand-written mixed", "flat + policy"):
+        assert f"| {contender} | " in done.stdout, contender
+
+
 def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:
     """Without fairscale its rows read "not installed" and the run still succeeds."""
     code = (

@@ -1,0 +1,85 @@
+"""In-process A/B of the mixed-precision rows: the contenders of ``bench_mixed_precision.py`` call by call.
+
+``python -m benchmarks --only mixed_precision`` runs each contender in a process
+of its own and times rounds of calls in turns; on a 2-CPU virtual machine its
+per-run ratios move by up to 0.1. Here all contenders live in one process and
+take turns after every call (the order alternates), so that each comparison is
+between calls a few milliseconds apart; the table gives the median time per
+call and two ratios to the baseline: of the medians, and the median of the
+per-turn ratios.
+
+Run: ``PYTHONPATH=. python -m benchmarks.ab_mixed_precision --model gpt2 --row 1``
+(``--row``: ``1`` or ``4`` micro-batches per step, ``fb`` for forward+backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks import bench_mixed_precision as bench
+
+ROWS = {"1": bench.STEP1, "4": bench.STEP4, "fb": bench.FWD_BWD}
+
+
+def _call(trainer: bench._Trainer, batches: list[torch.Tensor], row: str) -> Callable[[], object]:
+    if row == bench.STEP1:
+        return lambda: trainer.step(batches[:1])
+    if row == bench.STEP4:
+        return lambda: trainer.step(batches)
+
+    def forward_backward() -> None:
+        trainer.opt.zero_grad()
+        if trainer.hand:
+            with torch.no_grad():
+                for name, p in zip(trainer.names, trainer.params):
+                    trainer.low[name].copy_(p)
+        trainer.forward_backward(batches[0])
+
+    return forward_backward
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the median time per call of each contender and its ratios to the baseline."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=bench.MODELS, default="gpt2")
+    parser.add_argument("--row", choices=sorted(ROWS), default="1")
+    parser.add_argument("--turns", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    row = ROWS[args.row]
+    names = [bench.AUTOCAST, bench.BF16, bench.HAND, bench.POLICY]
+    base = bench.BF16 if row == bench.FWD_BWD else bench.AUTOCAST
+    size = bench._size(args.quick)  # --quick: the GPT-2 is a torch-only stand-in
+    calls = {}
+    for name in names:
+        model, batches, loss = bench._build(args.model, size)
+        calls[name] = _call(bench._Trainer(name, model, loss), batches, row)
+        for _ in range(3):
+            calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(args.turns):
+        for name in names if turn % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    print(f"{args.model}, {row}, {args.turns} turns, {args.threads} threads; "
+          f"ratios to {base} (lower is faster)")
+    print(f"| contender | median | / {base} (medians) | / {base} (median of per-turn ratios) |")
+    print("|---|---:|---:|---:|")
+    for name in names:
+        median = statistics.median(times[name])
+        paired = statistics.median(a / b for a, b in zip(times[name], times[base]))
+        ratio = median / statistics.median(times[base])
+        print(f"| {name} | {median * 1e3:.2f} ms | {ratio:.3f} | {paired:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
