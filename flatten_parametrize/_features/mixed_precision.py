@@ -348,6 +348,10 @@ class MixedPrecision:
         elif not any(ref() is view for ref in exposure.views):
             exposure.views.append(weakref.ref(view))
 
+    def watching(self, g: int) -> bool:
+        """Return whether views of group ``g``'s compute copy served outside the forward are watched."""
+        return bool(self._copies[g].exposed)
+
     def land_exposed(self, g: int) -> None:
         """Land what was written into group ``g``'s compute copy through views it served (tracked or not)."""
         copy = self._copies.get(g)
@@ -513,7 +517,7 @@ class _GroupSource:
 
     def watching(self) -> bool:
         feature = self._feature()
-        return feature is not None and bool(feature._copies[self._g].exposed)
+        return feature is not None and feature.watching(self._g)
 
     def land(self) -> None:
         feature = self._feature()
