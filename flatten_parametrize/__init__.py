@@ -34,6 +34,7 @@ re-exported here). Dependencies run one way, downwards in this list, and
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
+from ._core.timm_decay import install as _install_timm_decay
 from ._decay import weight_decay_groups
 from ._distributed.dcp import install as _install_dcp
 from ._distributed.lightning_ckpt import install as _install_lightning_ckpt
@@ -48,6 +49,8 @@ __version__ = "0.1.0.dev0"
 _install_dcp()
 # Lightning's single-file checkpoints and FSDP's rekey_optim_state_dict too (_distributed/lightning_ckpt.py).
 _install_lightning_ckpt()
+# timm's weight-decay rule by ndim warns when applied to a flattened model (_core/timm_decay.py).
+_install_timm_decay()
 
 __all__ = [
     # entry points
