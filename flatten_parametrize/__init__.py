@@ -23,13 +23,16 @@ re-exported here). Dependencies run one way, downwards in this list, and
 * ``_install/``: registration and the module surgery: the private coordinator
   core, the injected classes, flatten/unflatten, install/remove, pickling and
   deep copy, grouping, laying groups out again (model operations that change
-  shapes or ties);
+  shapes or ties), the per-tensor mode's gradients (leaves whose ``.grad`` are
+  views of the flat gradients);
 * ``_state/``: state dicts (both forms, atomic loads), state-dict aliases,
   optimizer-state conversion and ``attach_optimizer``;
 * ``_core/``: what everything else stands on: names, layout, records and
   protocols (the coordinator's read API, the feature lifecycle, the
   flat-gradient hook), the view cache (the hot path), gradients, write landing,
-  transactions.
+  transactions, the optimizer step checks (weight decay, element-wise math,
+  leaves of the other mode) and the patches of outside modules on their import
+  (timm's decay rule here; DCP's and Lightning's in ``_distributed/``).
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
