@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import inspect
 import linecache
 import os
@@ -397,6 +398,25 @@ def call_faults(points: list[CallPoint], fail: tuple[str, int] | None = None) ->
         yield calls
 
 
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """Keep the cyclic garbage collector out of the operation, so every run calls the same functions.
+
+    The library's finalizers (a storage's leaf registry, a state dict's aliases) run when
+    their object dies; the cyclic collector would run them at a moment that differs from
+    one run to the next, with garbage left by an earlier run. Reference counting alone
+    frees what the operation drops, at the same place each time; the collector runs
+    between the runs.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 _GENERATOR = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
@@ -504,7 +524,7 @@ def _try_fault(
     before = snapshot(model)
     output = _bits(_output(model))
     raised: BaseException | None = None
-    with fault() as counter:
+    with no_collection(), fault() as counter:
         try:
             op()
         except BaseException as exc:
@@ -546,7 +566,7 @@ def _clean_run(name: str, counting: Callable[[], Any]) -> tuple[Any, dict[str, A
     # read last (a read in another one scans for `.data` writes), so the counts depend on it.
     snapshot(model)
     _output(model)
-    with counting() as counter:
+    with no_collection(), counting() as counter:
         op()
     return counter, outcome(model)
 
