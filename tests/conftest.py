@@ -9,7 +9,8 @@ The tests are grouped by what they guard:
 * ``interop/``: outside libraries and torch subsystems against a plain twin;
 * ``distributed/``: multi-process runs (gloo on 127.0.0.1, torchrun for the engines);
 * here: the demo, the notebooks, the benchmarks, the documentation build, its code blocks
-  and the public docstrings, and the shared helpers (``_helpers.py``, ``_hf.py``, ``_lightning.py``, ``_model_parallel.py``).
+  and the public docstrings, the supported versions, and the shared helpers (``_helpers.py``,
+  ``_hf.py``, ``_lightning.py``, ``_model_parallel.py``).
 """
 
 from __future__ import annotations
