@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from _helpers import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The pages whose blocks run: the README and every Markdown page of the documentation site.
@@ -103,12 +104,6 @@ PARAMS = [
     pytest.param(block, id=block.where, marks=[pytest.mark.slow] if block.processes else [])
     for block in BLOCKS
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_in_process(block: Block) -> None:

@@ -129,7 +129,8 @@ def test_the_link_check_finds_missing_files_and_anchors(tmp_path: Path) -> None:
 def _run_code_blocks(tmp_path: Path, pages: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run ``tests/test_doc_blocks.py`` on a tree holding only ``pages`` (paths relative to the root)."""
     (tmp_path / "tests").mkdir()
-    shutil.copyfile(ROOT / "tests" / "test_doc_blocks.py", tmp_path / "tests" / "test_doc_blocks.py")
+    for name in ("test_doc_blocks.py", "_helpers.py"):
+        shutil.copyfile(ROOT / "tests" / name, tmp_path / "tests" / name)
     for name, text in {"README.md": "# Project\n", **pages}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
