@@ -4,11 +4,17 @@
 defaults), batch 8 x 32 tokens. One step is ``zero_grad``, forward, MSE
 loss, backward and ``optimizer.step()``, with AdamW's default implementation
 (on CPU the per-tensor loop) and with ``fused=True``. A second table splits
-the step into forward+backward and the optimizer step alone.
+the step into forward+backward and the optimizer step alone. The last tables
+time the step in per-tensor mode (``storage.unflatten()`` for the run: the
+optimizer over the leaf parameters, their gradients in the flat buffers)
+against the plain model and flat mode, with AdamW ``foreach=True``, AdamW
+``fused=True`` and Adafactor (whose math is per tensor: in flat mode it
+computes something else, timed for comparison only).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,6 +27,13 @@ from flatten_parametrize import register_flat_storage
 __all__ = ["run", "encoder"]
 
 PLAIN, FLAT, VECTOR = "plain", "register_flat_storage", "parameters_to_vector"
+PER_TENSOR = "per-tensor mode"
+#: The optimizers of the per-tensor tables.
+PER_TENSOR_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "AdamW foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+    "AdamW fused=True": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+    "Adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-4),
+}
 
 
 def encoder(
@@ -117,6 +130,29 @@ def _split_contenders(quick: bool, x: torch.Tensor, y: torch.Tensor) -> list[Con
     return out
 
 
+MakeOptimizer = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+
+
+def _per_tensor_contenders(
+    make: MakeOptimizer, quick: bool, x: torch.Tensor, y: torch.Tensor
+) -> list[Contender]:
+    """The plain model, the flattened one in per-tensor mode and in flat mode, each with ``make``'s."""
+    size = {"layers": 2, "d_model": 32, "feedforward": 64} if quick else {}
+    out = []
+    for name in (PLAIN, PER_TENSOR, FLAT):
+        model = encoder(**size)
+        if name != PLAIN:
+            storage = register_flat_storage(model)
+            if name == PER_TENSOR:
+                storage.unflatten()
+        opt = make(model.parameters())
+        with warnings.catch_warnings():  # flat mode + Adafactor: the library's warning says what differs
+            warnings.simplefilter("ignore")
+            _train_step(model, opt, x, y)
+        out.append(Contender(name, _bind(model, opt, x, y)))
+    return out
+
+
 def run(settings: Settings) -> Report:
     """Run workload 2 and return its tables and checks."""
     batch, tokens = (2, 8) if settings.quick else (8, 32)
@@ -144,4 +180,17 @@ def run(settings: Settings) -> Report:
     )
     table.notes.append("Ratios here are to the plain forward+backward.")
     report.tables.append(table)
+    for label, make in PER_TENSOR_OPTIMIZERS.items():
+        contenders = _per_tensor_contenders(make, settings.quick, x, y)
+        res = interleave(contenders, settings)
+        title = f"Transformer training step in per-tensor mode, {label} ({shape})"
+        table = timing_table(title, contenders, res, PLAIN)
+        if label == "Adafactor":
+            table.notes.append("Adafactor in flat mode factors nothing (a 1-D tensor per group): timed only.")
+        report.tables.append(table)
+        report.checks.append(
+            at_most(
+                f"transformer step, {label}: per-tensor mode / plain", ratio(res, PER_TENSOR, PLAIN), 1.05
+            )
+        )
     return report

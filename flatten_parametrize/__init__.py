@@ -23,17 +23,21 @@ re-exported here). Dependencies run one way, downwards in this list, and
 * ``_install/``: registration and the module surgery: the private coordinator
   core, the injected classes, flatten/unflatten, install/remove, pickling and
   deep copy, grouping, laying groups out again (model operations that change
-  shapes or ties);
+  shapes or ties), the per-tensor mode's gradients (leaves whose ``.grad`` are
+  views of the flat gradients);
 * ``_state/``: state dicts (both forms, atomic loads), state-dict aliases,
   optimizer-state conversion and ``attach_optimizer``;
 * ``_core/``: what everything else stands on: names, layout, records and
   protocols (the coordinator's read API, the feature lifecycle, the
   flat-gradient hook), the view cache (the hot path), gradients, write landing,
-  transactions.
+  transactions, the optimizer step checks (weight decay, element-wise math,
+  leaves of the other mode) and the patches of outside modules on their import
+  (timm's decay rule here; DCP's and Lightning's in ``_distributed/``).
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
+from ._core.timm_decay import install as _install_timm_decay
 from ._decay import weight_decay_groups
 from ._distributed.dcp import install as _install_dcp
 from ._distributed.lightning_ckpt import install as _install_lightning_ckpt
@@ -48,6 +52,8 @@ __version__ = "0.1.0.dev0"
 _install_dcp()
 # Lightning's single-file checkpoints and FSDP's rekey_optim_state_dict too (_distributed/lightning_ckpt.py).
 _install_lightning_ckpt()
+# timm's weight-decay rule by ndim warns when applied to a flattened model (_core/timm_decay.py).
+_install_timm_decay()
 
 __all__ = [
     # entry points

@@ -265,12 +265,17 @@ class FlatStorage:
         self._core.flatten()
 
     def unflatten(self) -> None:
-        """Switch to unflattened mode: every attribute is a real leaf ``nn.Parameter``.
+        """Switch to unflattened (per-tensor) mode: every attribute is a real leaf ``nn.Parameter``.
 
-        The parameters share memory with the flat buffers (no copy) and their
-        ``.grad`` are views of the flat gradients when those exist;
+        The parameters share memory with the flat buffers (no copy), and
+        their ``.grad`` are views of their group's flat gradient, also after
+        backward (a parameter that got no gradient keeps ``None``; a flat
+        parameter's ``.grad`` is its leaves' gradients in one tensor);
         ``module.parameters()`` yields them instead of the flat parameters.
-        Does nothing in unflattened mode.
+        Call it before building an optimizer whose math works per tensor
+        (Adafactor, Muon, LAMB) and keep it for the run: grad sync,
+        ``named_grads()`` and a clip over ``flat_params`` keep working. Does
+        nothing in unflattened mode.
 
         Raises:
             RuntimeError: inside :meth:`using`.

@@ -23,13 +23,17 @@ recipe (:func:`~flatten_parametrize.weight_decay_groups`, param groups built
 by group name) never warn.
 
 The check is a global optimizer step pre-hook, installed with the first
-:class:`FlatParameter`. After an optimizer's first step it costs one dict
-lookup per step; an optimizer whose groups change (``add_param_group``) is
-checked again, and warned about once at most.
+:class:`FlatParameter`. It also runs the checks of ``step_checks.py``: leaf
+parameters of unflattened mode stepped in flat mode (raises), and an
+optimizer that is not element-wise over flat parameters (warns once). After
+an optimizer's first step it costs one dict lookup per step; an optimizer
+whose groups change (``add_param_group``), or any storage's mode, is checked
+again, and warned about once at most per warning.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -40,13 +44,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from .compiling import never_traced
+from .leaves import EPOCH
+from .step_checks import check_modes, elementwise_warning
 
 __all__ = ["watch_optimizers"]
 
 _handle: RemovableHandle | None = None
-#: ``id(optimizer) -> number of param groups`` when it was last checked (entries leave with the optimizer).
-_checked: dict[int, int] = {}
-_warned: set[int] = set()
+#: ``id(optimizer) -> (number of param groups, mode epoch)`` when it was last checked (entries leave with
+#: the optimizer).
+_checked: dict[int, tuple[int, int]] = {}
+#: ``(id(optimizer), kind)`` of the warnings given.
+_warned: set[tuple[int, str]] = set()
 
 _RECIPE = (
     "Fix: register with groups=weight_decay_groups(model, no_decay=<the rule>) (e.g. no_decay=lambda "
@@ -76,7 +84,7 @@ class _Hook:
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         groups = getattr(optimizer, "param_groups", None)
-        if not isinstance(groups, list) or _checked.get(id(optimizer)) == len(groups):
+        if not isinstance(groups, list) or _checked.get(id(optimizer)) == (len(groups), EPOCH[0]):
             return  # it runs for every optimizer in the process: never in a step's way
         _check(optimizer, groups, self.flat_type)
 
@@ -86,20 +94,42 @@ def _check(
     optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], flat_type: type[torch.Tensor]
 ) -> None:
     key = id(optimizer)
+    check_modes(optimizer, groups)  # raises (and is checked again at the next step) before anything
     if key not in _checked:
         weakref.finalize(optimizer, _forget, key)  # an id is reused only after its object is gone
-    _checked[key] = len(groups)
-    if key in _warned:
-        return
-    message = _mismatch(groups, flat_type)
-    if message is not None:
-        _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=4)
+    _checked[key] = (len(groups), EPOCH[0])
+    warnings_due = (
+        ("decay", _mismatch(groups, flat_type, _asked(optimizer))),
+        ("elementwise", elementwise_warning(optimizer, groups, flat_type)),
+    )
+    for kind, message in warnings_due:
+        if message is not None and (key, kind) not in _warned:
+            _warned.add((key, kind))
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _asked(optimizer: Any) -> dict[str, Any]:
+    """Return ``{"weight_decay": value}`` if the optimizer was built with a weight decay of its own choosing.
+
+    A ``weight_decay`` in ``defaults`` that differs from the class's own default
+    was asked for (timm's ``create_optimizer_v2(model, weight_decay=0.05)``);
+    the class default alone (``AdamW``'s 0.01) says nothing.
+    """
+    defaults = getattr(optimizer, "defaults", None)
+    if not isinstance(defaults, dict) or "weight_decay" not in defaults:
+        return {}
+    try:
+        default = inspect.signature(type(optimizer).__init__).parameters["weight_decay"].default
+    except (KeyError, TypeError, ValueError):
+        default = inspect.Parameter.empty
+    if default is not inspect.Parameter.empty and defaults["weight_decay"] == default:
+        return {}
+    return {"weight_decay": defaults["weight_decay"]}
 
 
 def _forget(key: int) -> None:
     _checked.pop(key, None)
-    _warned.discard(key)
+    _warned.difference_update({(key, "decay"), (key, "elementwise")})
 
 
 def _decay(group: dict[str, Any]) -> float:
@@ -130,26 +160,32 @@ def _describe(found: tuple[int, str, tuple[int, ...]], groups: list[dict[str, An
     return f"param group {index} (weight_decay={wd}) has a flat parameter holding '{name}' {shape}"
 
 
-def _mismatch(groups: list[dict[str, Any]], flat_type: type[torch.Tensor]) -> str | None:
+def _mismatch(
+    groups: list[dict[str, Any]], flat_type: type[torch.Tensor], defaults: dict[str, Any] | None = None
+) -> str | None:
     """Return the warning for param ``groups`` that cannot decay like the plain model's, or ``None``.
 
     Args:
         groups: an optimizer's ``param_groups``.
         flat_type: the flat parameter class.
+        defaults: the optimizer's ``defaults``: a ``weight_decay`` asked for there and given to no
+            group holding matrices is a split that dropped its empty side (timm 1.0.31 drops empty
+            param groups, so its rule by ``p.dim()`` leaves one group without decay).
 
     Returns:
         The message (the rule, the offending flat parameter, the fix), or ``None``.
     """
     decaying = [i for i, g in enumerate(groups) if _decay(g) > 0]
     plain = [i for i, g in enumerate(groups) if _decay(g) == 0]
-    if not decaying or not plain:
-        return None  # uniform decay (or none): every rule gives the plain model's math
+    asked = _decay(defaults or {})
+    if not plain or not (decaying or asked > 0):
+        return None  # uniform decay (or none asked for): every rule gives the plain model's math
     flats: dict[bool, list[tuple[int, Any]]] = {True: [], False: []}
     for index, group in enumerate(groups):
         for param in group.get("params", ()):
             if isinstance(param, flat_type) and param.requires_grad:
                 flats[_decay(group) > 0].append((index, param))
-    wd = _decay(groups[decaying[0]])
+    wd = _decay(groups[decaying[0]]) if decaying else asked
     if flats[True] == [] and flats[False]:
         matrix = _first(flats[False], matrix=True)
         if matrix is None:
@@ -157,9 +193,14 @@ def _mismatch(groups: list[dict[str, Any]], flat_type: type[torch.Tensor]) -> st
         return (
             "weight decay: a rule by p.dim() (nanoGPT's p.dim() >= 2; timm's param_groups_weight_decay and "
             "create_optimizer_v2(model, weight_decay=...): ndim <= 1 or name.endswith('.bias')) sees only "
-            "one-dimensional flat parameters and decays none of the matrices the plain model decays: param "
-            f"groups {decaying} decay (weight_decay={wd}) but hold no flat parameter, and "
-            f"{_describe(matrix, groups)}. " + _RECIPE.format(wd=wd)
+            "one-dimensional flat parameters and decays none of the matrices the plain model decays: "
+            + (
+                f"param groups {decaying} decay (weight_decay={wd}) but hold no flat parameter"
+                if decaying
+                else f"the optimizer was asked for weight_decay={wd} but no param group decays"
+            )
+            + f", and {_describe(matrix, groups)}. "
+            + _RECIPE.format(wd=wd)
         )
     if flats[False] == [] and flats[True]:
         matrix = _first(flats[True], matrix=True)

@@ -12,11 +12,13 @@ from torch import nn
 from .compiling import never_traced
 from .decay_check import watch_optimizers
 
-__all__ = ["FlatParameter", "serve"]
+__all__ = ["BASE_GRAD", "FlatParameter", "serve"]
 
 #: torch's own descriptors of ``Tensor.data`` and ``Tensor.grad``, which the properties below extend.
 _BASE_DATA: Any = vars(torch._C.TensorBase)["data"]
 _BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
+#: torch's own ``Tensor.grad`` descriptor, for the owner of a flat gradient in unflattened mode.
+BASE_GRAD = _BASE_GRAD
 _is_compiling = torch.compiler.is_compiling
 #: Attribute (in the flat parameter's ``__dict__``) holding a weak reference to the views it serves.
 _SERVED_BY = "_flat_served_by"
@@ -33,6 +35,20 @@ class _Served(Protocol):
 
     def on_data_replaced(self) -> None:
         """Drop the cached views: the flat buffer is about to be replaced."""
+
+    @property
+    def grad_owner(self) -> _GradOwner | None:
+        """Who keeps the flat gradient in unflattened mode (``None`` in flat mode)."""
+
+
+class _GradOwner(Protocol):
+    """Who keeps a flat gradient while the members are leaf parameters (``_install/per_tensor.py``)."""
+
+    def flat_grad(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """Return the flat gradient as the leaves have it."""
+
+    def set_flat_grad(self, flat: torch.Tensor, value: torch.Tensor | None) -> None:
+        """Assign the flat gradient (the leaves' gradients become views of it)."""
 
 
 def serve(flat: torch.Tensor, views: _Served) -> None:
@@ -59,7 +75,9 @@ class FlatParameter(nn.Parameter):
     mixed-precision policy has the compute copy cast again before its next use
     (``p.data.add_(...)`` moves no version counter); and reading ``.grad`` (as every
     optimizer step and ``zero_grad`` do) first copies the values written into
-    views (``layer.weight.data = t``) into the buffer.
+    views (``layer.weight.data = t``) into the buffer. In unflattened mode
+    ``.grad`` is the members' leaf gradients in one tensor (they are views of
+    it; ``None`` while none has one), and assigning it assigns theirs.
 
     Args:
         data: the one-dimensional buffer.
@@ -176,15 +194,28 @@ class FlatParameter(nn.Parameter):
             views = _served(self)
             if views is not None:
                 views.sync()
+                owner = views.grad_owner
+                if owner is not None:  # unflattened mode: the leaves hold the gradients
+                    return owner.flat_grad(self)
         return _BASE_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        _BASE_GRAD.__set__(self, value)
+        views = _served(self)
+        owner = None if views is None else views.grad_owner
+        if owner is not None:
+            owner.set_flat_grad(self, value)
+        else:
+            _BASE_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
-        _BASE_GRAD.__delete__(self)
+        views = _served(self)
+        owner = None if views is None else views.grad_owner
+        if owner is not None:
+            owner.set_flat_grad(self, None)
+        else:
+            _BASE_GRAD.__delete__(self)
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
         """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.

@@ -55,8 +55,8 @@ from torch import Tensor, nn
 
 from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
+from .._core.on_import import when_imported
 from .._state.attach_optim import own_format
-from .on_import import when_imported
 from .sharded import ShardedOptimizer
 
 __all__ = ["install"]

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from .._core.names import flat_param_name, registered_storage
+from .._core.on_import import when_imported
 from .._state.optim import plain_parameter_names
-from .on_import import when_imported
 
 __all__ = ["install"]
 

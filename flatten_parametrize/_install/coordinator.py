@@ -45,6 +45,7 @@ from .._core.view_cache import GroupViews, same_memory
 from .._core.writes import check_flat_replacement, land_direct_writes
 from .._state.state_dict import layout_record
 from . import surgery
+from .per_tensor import PerTensorGrads
 
 __all__ = ["FlatTensors", "StorageCore"]
 
@@ -111,6 +112,8 @@ class StorageCore:
         self.facade: Any = None
         #: The core that took this one's place when the groups were laid out again (``relayout.py``).
         self.replaced_by: StorageCore | None = None
+        #: The owner of the flat gradients in unflattened mode, and the hooks on the leaves there.
+        self.per_tensor = PerTensorGrads(self)
 
     # --------------------------------------------------------------- read API
     @property
@@ -345,6 +348,7 @@ class StorageCore:
         """Flatten as part of ``tx`` (a no-op in flat mode)."""
         if self._flattened:
             return
+        self.per_tensor.detach(tx)
         surgery.flatten_module(self, tx)
         tx.set_attr(self, "_flattened", True)
         surgery.refresh_originals(self._groups, self._slots, tx)
@@ -369,6 +373,7 @@ class StorageCore:
     def _unflatten(self, tx: Transaction) -> None:
         surgery.unflatten_module(self, tx)
         tx.set_attr(self, "_flattened", False)
+        self.per_tensor.attach(tx)
 
     def mark_removed(self, tx: Transaction) -> None:
         """Record, as part of ``tx``, that the module no longer has this storage's views."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, registered_storage
 from .._core.records import ModuleState, Slot
+from .._core.transaction import atomically
 from .coordinator import StorageCore
 from .module_classes import base_of, clone_class, contribute, is_shared
 from .pickling import copy_alone
@@ -94,6 +95,8 @@ def _fill(new: StorageCore, old: StorageCore, root: nn.Module, memo: dict[int, A
                 UNFLATTENED[memo[id(module)]] = state_copy
             owners.append((memo[id(module)], state_copy))
     new.adopt_members(owners)
+    if not new.is_flattened:  # the copied leaves keep their gradients in the copy's flat gradients
+        atomically(new.per_tensor.attach)
     new.features = [c for f in old.features if (c := f.copy_for(new, memo)) is not None]
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from .._core.flat_parameter import FlatParameter, as_flat_parameter
 from .._core.layout import plan_group
+from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Slot
 from .._core.transaction import Transaction, atomically
 from . import surgery
@@ -77,7 +78,12 @@ def build_storage(
 
 def install_storage(core: StorageCore) -> None:
     """Make ``core`` take over its module (classes, parametrizations, flat parameters), atomically."""
-    atomically(lambda tx: surgery.install(core, tx))
+
+    def change(tx: Transaction) -> None:
+        surgery.install(core, tx)
+        register_leaves(core, [(slot.name, slot.param) for slot in core.slots()], tx)
+
+    atomically(change)
     core.members()  # recorded now: unflattened mode takes the state out of the modules
 
 
@@ -89,6 +95,7 @@ def remove_storage(core: StorageCore) -> None:
         core.flatten_in(tx)
         surgery.uninstall(core, tx)
         core.mark_removed(tx)
+        mode_changed()  # an optimizer over its leaves is checked again (they are ordinary now)
 
     atomically(change)
     core.invalidate()

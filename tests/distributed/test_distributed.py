@@ -172,8 +172,45 @@ def _scenario_divided_in_backward(rank: int, world: int) -> dict[str, Any]:
     return {"synced": values(model), "plain": values(plain), "ops": ops}
 
 
+def _scenario_per_tensor_sync(rank: int, world: int) -> dict[str, Any]:
+    """Grad sync and all_reduce_grads() in per-tensor mode: Adafactor over the leaves on half batches."""
+    plain = mlp(depth=3, width=6)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    storage.unflatten()  # the whole run in per-tensor mode
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    ref = torch.optim.Adafactor(plain.parameters(), lr=0.01)
+    per_rank = 8 // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        _mse(model(x[mine]), y[mine]).backward()
+        opt.step()
+        ref.zero_grad()
+        _mse(plain(x), y).backward()
+        ref.step()
+    synced = values(model)
+    storage.disable_grad_sync()
+    model.zero_grad()
+    x, y = _batch(7)
+    _mse(model(x[mine]), y[mine]).backward()
+    storage.all_reduce_grads()
+    plain.zero_grad()
+    _mse(plain(x), y).backward()
+    return {
+        "synced": synced,
+        "plain": values(plain),
+        "reduced": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "plain_grads": grads(plain),
+        "flattened": storage.is_flattened,
+    }
+
+
 _SCENARIOS = {
     "sync_training": _scenario_sync_training,
+    "per_tensor_sync": _scenario_per_tensor_sync,
     "divided_in_backward": _scenario_divided_in_backward,
     "no_sync": _scenario_no_sync,
     "unused_group": _scenario_unused_group,
@@ -221,6 +258,17 @@ def test_synced_training_equals_single_process_on_the_combined_batch(two_ranks):
     for result in (first, second):
         assert result["groups"] > 2
         assert_same_values(result["synced"], result["plain"], close=True)
+    assert_same_values(first["synced"], second["synced"])
+
+
+@pytest.mark.slow
+def test_grad_sync_in_per_tensor_mode_trains_like_one_process(two_ranks):
+    """Per-tensor mode: the leaves' gradients are the flat buckets, grad sync and all_reduce_grads average."""
+    first, second = launch_results(two_ranks, "per_tensor_sync")
+    for result in (first, second):
+        assert result["flattened"] is False
+        assert_same_values(result["synced"], result["plain"], close=True)
+        assert_same_values(result["reduced"], result["plain_grads"], close=True)
     assert_same_values(first["synced"], second["synced"])
 
 

@@ -190,21 +190,6 @@ def nanogpt_optimizer(model: nn.Module, weight_decay: float, learning_rate: floa
     return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=(0.9, 0.95))
 
 
-def timm_param_groups(model: nn.Module, weight_decay: float = 1e-5) -> list[dict[str, object]]:
-    """Mirrors timm's ``timm.optim.param_groups_weight_decay`` (what ``create_optimizer_v2(model,
-    weight_decay=...)`` uses); timm itself cannot be installed next to the CPU build of torch."""
-    decay = []
-    no_decay = []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.ndim <= 1 or name.endswith(".bias"):
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
-
-
 def by_group_name(storage: FlatStorage, weight_decay: float) -> list[dict[str, object]]:
     """The recipe: param groups built by the names weight_decay_groups gives."""
     return [
@@ -263,17 +248,6 @@ def test_nanogpt_rule_on_a_flattened_model_decays_nothing_and_warns(groups: str)
         one_step(model, optimizer)
 
 
-def test_timm_rule_on_a_flattened_model_warns():
-    """timm's ndim <= 1 or .bias (param_groups_weight_decay) decays nothing of a flattened model: warned."""
-    model = gpt2()
-    storage = register_flat_storage(model, weight_decay_groups(model))
-    optimizer = torch.optim.AdamW(timm_param_groups(model, 0.05), lr=1e-3)
-    assert decayed(model, optimizer) == {}
-    with pytest.warns(UserWarning, match=_DIM_RULE + r".*create_optimizer_v2"):
-        one_step(model, optimizer)
-    assert storage["decay"].numel() > 0
-
-
 def test_transformers_rule_with_groups_none_warns(tmp_path: Path):
     """Trainer's name rule decays flat_param_0 whole (biases and norms included): warned before step 1."""
     model = gpt2()
@@ -297,17 +271,15 @@ def test_transformers_rule_with_weight_decay_groups_decays_the_plain_models_tens
     assert_decays_and_trains_like_the_plain_model(model, flat_opt, plain, plain_opt)
 
 
-@pytest.mark.parametrize("rule", ["nanogpt", "timm"])
-def test_dim_rule_recipe_decays_the_plain_models_tensors_and_trains_like_it(rule: str):
-    """weight_decay_groups(no_decay=<dim rule>) + groups by name: the plain model's decay, losses, weights."""
+def test_dim_rule_recipe_decays_the_plain_models_tensors_and_trains_like_it():
+    """weight_decay_groups(no_decay=<dim rule>) + groups by name: the plain model's decay, losses, weights.
+
+    (The same recipe with the real timm's rule and create_optimizer_v2: tests/interop/test_timm.py.)
+    """
     plain = gpt2()
     model = twin(plain)
-    if rule == "nanogpt":
-        no_decay = lambda name, p: p.dim() < 2  # noqa: E731
-        plain_opt = nanogpt_optimizer(plain, 0.1, 1e-3)
-    else:
-        no_decay = lambda name, p: p.ndim <= 1 or name.endswith(".bias")  # noqa: E731
-        plain_opt = torch.optim.AdamW(timm_param_groups(plain, 0.1), lr=1e-3, betas=(0.9, 0.95))
+    no_decay = lambda name, p: p.dim() < 2  # noqa: E731
+    plain_opt = nanogpt_optimizer(plain, 0.1, 1e-3)
     storage = register_flat_storage(model, weight_decay_groups(model, no_decay=no_decay))
     flat_opt = torch.optim.AdamW(by_group_name(storage, 0.1), lr=1e-3, betas=(0.9, 0.95))
     assert_decays_and_trains_like_the_plain_model(model, flat_opt, plain, plain_opt)
@@ -351,9 +323,9 @@ def test_the_check_warns_once_and_runs_once_per_optimizer(monkeypatch: pytest.Mo
     calls: list[int] = []
     original = decay_check._mismatch
 
-    def counted(groups: list[dict[str, object]], flat_type: type) -> str | None:
+    def counted(groups: list[dict[str, object]], flat_type: type, *asked: object) -> str | None:
         calls.append(len(groups))
-        return original(groups, flat_type)
+        return original(groups, flat_type, *asked)
 
     monkeypatch.setattr(decay_check, "_mismatch", counted)
     optimizer = torch.optim.AdamW(

@@ -60,7 +60,24 @@ def test_an_optimizer_leaves_the_check_with_its_collection():
     optimizer = torch.optim.SGD([param], lr=0.1)
     optimizer.step()
     key = id(optimizer)
-    assert decay_check._checked[key] == 1
+    assert decay_check._checked[key][0] == 1
     del optimizer
     gc.collect()
     assert key not in decay_check._checked
+
+
+def test_decay_asked_of_the_optimizer_and_given_to_no_group_is_the_dim_rule():
+    """timm 1.0.31 drops the empty decay group: one group without decay while `defaults` asks for some."""
+    groups = [{"params": [flat((4, 3), (4,))], "weight_decay": 0.0}]
+    message = decay_check._mismatch(groups, FlatParameter, {"weight_decay": 0.05})
+    assert message is not None and message.startswith("weight decay: a rule by p.dim()")
+    assert "asked for weight_decay=0.05 but no param group decays" in message
+    assert decay_check._mismatch(groups, FlatParameter, {}) is None
+
+
+def test_only_a_weight_decay_other_than_the_class_default_counts_as_asked():
+    """AdamW's own default (0.01) says nothing about a split; a value passed to it does."""
+    param = flat((4, 3))
+    assert decay_check._asked(torch.optim.AdamW([param], weight_decay=0.01)) == {}
+    assert decay_check._asked(torch.optim.AdamW([param], weight_decay=0.05)) == {"weight_decay": 0.05}
+    assert decay_check._asked(torch.optim.SGD([param])) == {}

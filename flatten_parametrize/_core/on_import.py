@@ -1,6 +1,6 @@
 """Run a patch of an outside module now if it is imported, else right after its first import.
 
-The wrappers of ``_distributed/`` (DCP's state-dict functions, FSDP's optimizer re-keying,
+The wrappers of outside code (DCP's state-dict functions, FSDP's optimizer re-keying,
 Lightning's full-checkpoint loader) must not import what they wrap: importing DCP costs
 ~0.7 s, and Lightning may not be installed. :func:`when_imported` patches a loaded module at
 once; otherwise one meta-path finder wraps the loader of each awaited module so that the patch

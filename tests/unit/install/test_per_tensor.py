@@ -1,0 +1,205 @@
+"""Per-tensor mode (``_install/per_tensor.py``): unflattened leaves keep their gradients in the flat gradient.
+
+Each case trains a flattened model inside a persistent ``storage.unflatten()``
+against a plain twin from the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from flatten_parametrize import register_flat_storage
+
+from _helpers import TiedLM, mlp, twin
+
+
+def _pair(model: nn.Module | None = None) -> tuple[nn.Module, nn.Module, object]:
+    plain = model if model is not None else mlp(3, 6)
+    flat = twin(plain)
+    storage = register_flat_storage(flat)
+    storage.unflatten()
+    return plain, flat, storage
+
+
+def _in_flat_grad(param: torch.Tensor, flat_grad: torch.Tensor) -> bool:
+    """Whether ``param.grad`` is a view into ``flat_grad``'s memory."""
+    start = flat_grad.data_ptr()
+    end = start + flat_grad.numel() * flat_grad.element_size()
+    return param.grad is not None and start <= param.grad.data_ptr() < end
+
+
+def _loss(model: nn.Module, seed: int) -> torch.Tensor:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+    return model(x).pow(2).mean()
+
+
+def test_leaf_gradients_are_views_of_one_flat_gradient_per_group():
+    """After a per-tensor backward each leaf's `.grad` is its slot of `flat_param.grad`, plain values."""
+    plain, flat, storage = _pair()
+    for m in (plain, flat):
+        _loss(m, 0).backward()
+    flat_grad = storage["0"].grad
+    assert flat_grad is not None and flat_grad.shape == storage["0"].shape
+    for (name, p), q in zip(flat.named_parameters(), plain.parameters()):
+        assert _in_flat_grad(p, flat_grad), name
+        assert torch.equal(p.grad, q.grad), name
+    assert dict(storage.named_grads()).keys() == dict(plain.named_parameters()).keys()
+    for name, grad in storage.named_grads():
+        assert torch.equal(grad, plain.get_parameter(name).grad)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_and_training_behave_as_on_the_plain_model(set_to_none):
+    """SGD with momentum over the leaves trains as the plain model; zero_grad gives None or zeros as there."""
+    plain, flat, storage = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, flat)]
+    for step in range(3):
+        for m, opt in zip((plain, flat), opts):
+            opt.zero_grad(set_to_none=set_to_none)
+            _loss(m, step).backward()
+            opt.step()
+    for p, q in zip(flat.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    for opt in opts:
+        opt.zero_grad(set_to_none=set_to_none)
+    if set_to_none:
+        assert all(p.grad is None for p in flat.parameters()) and storage["0"].grad is None
+    else:
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in flat.parameters())
+        assert torch.equal(storage["0"].grad, torch.zeros_like(storage["0"]))
+
+
+def test_a_parameter_that_got_no_gradient_keeps_none_and_its_slot_reads_zero():
+    """A layer outside the graph keeps `.grad is None`; the flat gradient holds zeros there."""
+    plain, flat, storage = _pair()
+    x = torch.randn(2, 6)
+    for m in (plain, flat):
+        m[0](x).sum().backward()
+    assert [p.grad is None for p in flat.parameters()] == [p.grad is None for p in plain.parameters()]
+    assert flat[2].weight.grad is None
+    views = storage.views_of([storage["0"].grad])
+    assert torch.equal(views["2.weight"], torch.zeros_like(flat[2].weight))
+    assert torch.equal(views["0.weight"], plain[0].weight.grad)
+
+
+def test_micro_batches_accumulate_in_place_in_the_flat_gradient():
+    """Backwards without zero_grad add into the same memory (no copy after the first), as the plain model."""
+    plain, flat, _ = _pair()
+    for m in (plain, flat):
+        _loss(m, 0).backward()
+    ptrs = [p.grad.data_ptr() for p in flat.parameters()]
+    for m in (plain, flat):
+        _loss(m, 1).backward()
+    assert [p.grad.data_ptr() for p in flat.parameters()] == ptrs
+    for p, q in zip(flat.parameters(), plain.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_flat_clip_in_per_tensor_mode_clips_the_leaves_gradients():
+    """`clip_grad_norm_(storage.flat_params)` clips the leaves' gradients as clipping the plain model does."""
+    plain, flat, storage = _pair()
+    for m in (plain, flat):
+        (_loss(m, 0) * 100).backward()
+    total = nn.utils.clip_grad_norm_(storage.flat_params, 0.5)
+    expected = nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    torch.testing.assert_close(total, expected)
+    for p, q in zip(flat.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_gradients_assigned_either_way_reach_the_other():
+    """`leaf.grad = t` lands in the flat gradient; `flat_param.grad = g` gives every leaf a view of g."""
+    _, flat, storage = _pair()
+    _loss(flat, 0).backward()
+    new = torch.full_like(flat[0].bias, 7.0)
+    flat[0].bias.grad = new
+    assert torch.equal(storage.views_of([storage["0"].grad])["0.bias"], new)
+    assert _in_flat_grad(flat[0].bias, storage["0"].grad)
+    replacement = torch.arange(storage["0"].numel(), dtype=torch.float32)
+    storage["0"].grad = replacement
+    for name, p in flat.named_parameters():
+        assert _in_flat_grad(p, replacement), name
+    storage["0"].grad = None
+    assert all(p.grad is None for p in flat.parameters())
+
+
+def test_gradients_survive_the_mode_toggles():
+    """flatten() after a per-tensor backward keeps the flat gradient; unflatten() gives the views back."""
+    plain, flat, storage = _pair()
+    for m in (plain, flat):
+        _loss(m, 0).backward()
+    before = storage["0"].grad.clone()
+    storage.flatten()
+    assert torch.equal(storage["0"].grad, before)
+    storage.unflatten()
+    for p, q in zip(flat.parameters(), plain.parameters()):
+        assert _in_flat_grad(p, storage["0"].grad) and torch.equal(p.grad, q.grad)
+
+
+def test_tied_weights_accumulate_both_uses_in_one_slot():
+    """A tied embedding and head: one leaf, one slot, the plain model's summed gradient."""
+    plain, flat, storage = _pair(TiedLM())
+    tokens = torch.randint(0, 11, (3, 4))
+    for m in (plain, flat):
+        m(tokens).pow(2).mean().backward()
+    assert flat.head.weight is flat.embed.weight
+    assert _in_flat_grad(flat.embed.weight, storage["0"].grad)
+    assert torch.equal(flat.embed.weight.grad, plain.embed.weight.grad)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_in_per_tensor_mode_keeps_its_gradients_in_its_own_flat_gradient(how):
+    """A deep copy or pickle of an unflattened model trains on its own memory, not the original's."""
+    plain, flat, storage = _pair()
+    copied = copy.deepcopy(flat) if how == "deepcopy" else pickle.loads(pickle.dumps(flat))
+    from flatten_parametrize import get_flat_storage
+
+    copy_storage = get_flat_storage(copied)
+    assert not copy_storage.is_flattened
+    for m in (plain, copied):
+        _loss(m, 0).backward()
+    assert storage["0"].grad is None and all(p.grad is None for p in flat.parameters())
+    for p, q in zip(copied.parameters(), plain.parameters()):
+        assert _in_flat_grad(p, copy_storage["0"].grad) and torch.equal(p.grad, q.grad)
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+        lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+        lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=1e-2),
+    ],
+    ids=["adamw-foreach", "adamw-fused", "adafactor", "muon"],
+)
+def test_per_tensor_training_of_a_transformer_equals_the_plain_model(make):
+    """AdamW (foreach, fused), Adafactor and Muon over the leaves give the plain model's weights, bitwise."""
+    plain = _encoder()
+    flat = twin(plain)
+    storage = register_flat_storage(flat)
+    storage.unflatten()
+    opts = [make(list(m.parameters())) for m in (plain, flat)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(2, 5, 16, generator=gen)
+        for m, opt in zip((plain, flat), opts):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for (name, p), q in zip(flat.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    assert sum(t.numel() for s in opts[1].state.values() for t in s.values() if torch.is_tensor(t)) == sum(
+        t.numel() for s in opts[0].state.values() for t in s.values() if torch.is_tensor(t)
+    )
