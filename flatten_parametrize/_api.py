@@ -72,6 +72,17 @@ def register_flat_storage(
             parameters as before registration (objects, globs, submodules,
             :func:`weight_decay_groups` of the flattened module). Default:
             ``False``.
+        mixed_precision: a ``torch.distributed.fsdp.MixedPrecisionPolicy``
+            (FSDP2's class, with FSDP2's meanings of ``param_dtype``,
+            ``reduce_dtype``, ``output_dtype`` and ``cast_forward_inputs``) for
+            every group, or a mapping ``group name -> policy or None`` (a group
+            that is not named, or maps to ``None``, computes in its own dtype,
+            e.g. norms kept in float32). A group with a ``param_dtype`` keeps
+            its :class:`FlatParameter` as the master copy (what the optimizer
+            steps and the state dicts hold) and serves its views from a compute
+            copy in ``param_dtype``, cast once per group after the master
+            changed; see :attr:`FlatStorage.mixed_precision`. Default: ``None``
+            (every group computes in its own dtype).
 
     Returns:
         The :class:`FlatStorage` coordinator.
@@ -103,6 +114,12 @@ def register_flat_storage(
         >>> groups = {"weights": ["*.weight"], "biases": ["*.bias"]}
         >>> register_flat_storage(model, groups, exist_ok=True) is storage
         True
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy
+        >>> head = nn.Linear(4, 2)
+        >>> policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        >>> head_storage = register_flat_storage(head, mixed_precision=policy)
+        >>> head.weight.dtype, head_storage["0"].dtype  # compute copy, master
+        (torch.bfloat16, torch.float32)
     """
     if isinstance(align, bool) or not isinstance(align, int):
         raise TypeError(f"align must be an int; got {type(align).__name__} {align!r}")
@@ -176,6 +193,17 @@ def registered_core(module: nn.Module) -> StorageCore | None:
 
 def get_flat_storage(module: nn.Module) -> FlatStorage | None:
     """Return the flat storage registered on ``module``, or ``None``.
+
+    Args:
+        module: the module registered with :func:`register_flat_storage`,
+            or a wrapper that registration passes on to it (peft's
+            ``PeftModel``, ``DistributedDataParallel``, a compiled module).
+
+    Returns:
+        The :class:`FlatStorage` of ``module``, or ``None`` if it has none.
+
+    Raises:
+        TypeError: if ``module`` is not an ``nn.Module``.
 
     Example:
         >>> from torch import nn

@@ -169,6 +169,9 @@ class FlatStorage:
             remove_duplicate: yield a tied parameter once, under its first
                 name (as ``named_parameters`` does). Default: ``True``.
 
+        Returns:
+            An iterator of ``(name, tensor)`` pairs, in ``param_infos`` order.
+
         Example:
             >>> from torch import nn
             >>> from flatten_parametrize import register_flat_storage
@@ -185,6 +188,15 @@ class FlatStorage:
         In flat mode each gradient is a view of its flat parameter's ``.grad``
         (``None`` while that is ``None``); in unflattened mode it is the leaf
         parameter's ``.grad``.
+
+        Args:
+            remove_duplicate: yield a tied parameter's gradient once, under its
+                first name (as ``named_parameters`` does); ``False`` yields it
+                under every name. Default: ``True``.
+
+        Returns:
+            An iterator of ``(name, gradient or None)`` pairs, in
+            ``param_infos`` order.
 
         Example:
             >>> import torch
@@ -283,6 +295,9 @@ class FlatStorage:
     def unflattened(self) -> Iterator[FlatStorage]:
         """Run a block in unflattened mode, then restore the previous mode (also on error).
 
+        Yields:
+            This storage.
+
         Example:
             >>> import torch
             >>> from torch import nn
@@ -317,6 +332,9 @@ class FlatStorage:
                 do not match.
             RuntimeError: in unflattened mode.
 
+        Yields:
+            This storage.
+
         Example:
             >>> import torch
             >>> from torch import nn
@@ -339,6 +357,9 @@ class FlatStorage:
         ``module.state_dict()``. ``module.load_state_dict`` accepts it, and
         refuses it for a module with another layout.
 
+        Returns:
+            An ``OrderedDict`` in ``module.state_dict()``'s order.
+
         Example:
             >>> from torch import nn
             >>> from flatten_parametrize import register_flat_storage
@@ -354,6 +375,9 @@ class FlatStorage:
 
     def summary(self) -> str:
         """Return a text table of every flattened parameter: name, group, offset, numel, shape, dtype.
+
+        Returns:
+            The table, one row per flattened parameter in ``param_infos`` order.
 
         Example:
             >>> from torch import nn
@@ -431,6 +455,14 @@ class FlatStorage:
 
         Raises:
             ImportError: if matplotlib is not installed.
+
+        Example:
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> storage = register_flat_storage(nn.Linear(2, 3), align=4)
+            >>> fig = storage.plot_layout(figsize=(6, 1.5))
+            >>> len(fig.axes)
+            1
         """
         return plot_layout(self._core, **kwargs)
 

@@ -8,8 +8,9 @@ The tests are grouped by what they guard:
   same results as the plain model, threads, leaks, checkpoints, structure);
 * ``interop/``: outside libraries and torch subsystems against a plain twin;
 * ``distributed/``: multi-process runs (gloo on 127.0.0.1, torchrun for the engines);
-* here: the demo, the notebooks, the benchmarks and the documentation build, and the shared
-  helpers (``_helpers.py``, ``_hf.py``, ``_lightning.py``, ``_model_parallel.py``).
+* here: the demo, the notebooks, the benchmarks, the documentation build, its code blocks
+  and the public docstrings, the supported versions, and the shared helpers (``_helpers.py``,
+  ``_hf.py``, ``_lightning.py``, ``_model_parallel.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The documentation site's strict build fails on what a reader would trip over.
+"""The documentation site's strict build and the run of its code blocks fail on what a reader trips over.
 
 Each build runs ``docs/build.py`` on a copy of the sources (the notebooks rendered without
 executing them, to keep it short; ``.ci/run`` builds the real site with them executed) with
 one defect put in: a broken cross-reference, a page in no toctree, a public name without a
 docstring. The link check of the built HTML is tested on its own, on a few small files.
+``tests/test_doc_blocks.py``, which runs the code blocks of the pages, is run on a temporary
+tree of pages with a broken block in it.
 """
 
 from __future__ import annotations
@@ -119,3 +121,72 @@ def test_the_link_check_finds_missing_files_and_anchors(tmp_path: Path) -> None:
     assert any("missing.html: no such file" in error for error in errors)
     assert any("points outside the site" in error for error in errors)
     assert any("_images/plot.png: no such file" in error for error in errors)
+
+
+# --- The code blocks of the pages (tests/test_doc_blocks.py), run on a temporary tree of pages.
+
+
+def _run_code_blocks(tmp_path: Path, pages: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/test_doc_blocks.py`` on a tree holding only ``pages`` (paths relative to the root)."""
+    (tmp_path / "tests").mkdir()
+    for name in ("test_doc_blocks.py", "_helpers.py"):
+        shutil.copyfile(ROOT / "tests" / name, tmp_path / "tests" / name)
+    for name, text in {"README.md": "# Project\n", **pages}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_doc_blocks.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+BROKEN_PAGE = """# Broken
+
+```python
+import torch
+weights = torch.ones(3)
+```
+
+```{code-block} python
+print(weight)  # a typo: the block above defines `weights`
+```
+
+```python
+# torchrun --nproc-per-node 2 broken.py
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise RuntimeError("rank 1 fails")
+dist.destroy_process_group()
+```
+"""
+
+
+def test_a_broken_code_block_fails_the_collector(tmp_path: Path) -> None:
+    """A block that raises, in this process or on one torchrun rank, fails the test run (so ``.ci/run``)."""
+    pytest.importorskip("markdown_it")
+    proc = _run_code_blocks(tmp_path, {"docs/broken.md": BROKEN_PAGE})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "2 failed, 1 passed" in out, out
+    assert "NameError: name 'weight' is not defined" in out
+    assert "docs/broken.md:9: NameError" in out  # the traceback points at the page's line
+    assert "docs/broken.md:13: the block failed on 2 processes" in out and "rank 1 fails" in out
+
+
+def test_blocks_continue_on_their_page_and_a_marked_block_is_skipped(tmp_path: Path) -> None:
+    """Blocks of a page share one namespace; a ``# not run: <reason>`` block is skipped, with its reason."""
+    pytest.importorskip("markdown_it")
+    page = (
+        "# Page\n\n```python\nsize = 3\n```\n\nText.\n\n```python\nassert size == 3\n```\n\n"
+        "```python\n# not run: needs a cluster\nraise SystemExit(1)\n```\n\n```bash\nexit 1\n```\n"
+    )
+    proc = _run_code_blocks(tmp_path, {"docs/page.md": page})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "2 passed, 1 skipped" in out, out
+    assert "docs/page.md:14: not run: needs a cluster" in out

@@ -61,7 +61,20 @@ class OptimizerAttachment:
         setattr(optimizer, _ATTACHED, self)
 
     def remove(self) -> None:
-        """Detach: remove both hooks."""
+        """Detach: remove both hooks; the optimizer saves and loads its own flat format again.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from flatten_parametrize import register_flat_storage
+            >>> model = nn.Linear(2, 2)
+            >>> storage = register_flat_storage(model)
+            >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> attachment = storage.attach_optimizer(optimizer)
+            >>> attachment.remove()
+            >>> optimizer.state_dict()["param_groups"][0]["params"]  # one flat parameter
+            [0]
+        """
         for handle in self._handles:
             handle.remove()
         self._handles = []
