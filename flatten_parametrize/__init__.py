@@ -38,6 +38,7 @@ re-exported here). Dependencies run one way, downwards in this list, and
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
 from ._core.timm_decay import install as _install_timm_decay
+from ._core.torchao_swaps import install as _install_torchao_swaps
 from ._decay import weight_decay_groups
 from ._distributed.dcp import install as _install_dcp
 from ._distributed.lightning_ckpt import install as _install_lightning_ckpt
@@ -54,6 +55,8 @@ _install_dcp()
 _install_lightning_ckpt()
 # timm's weight-decay rule by ndim warns when applied to a flattened model (_core/timm_decay.py).
 _install_timm_decay()
+# torchao's module swaps and quantize_ run on the plain model in flat mode (_core/torchao_swaps.py).
+_install_torchao_swaps()
 
 __all__ = [
     # entry points

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .fit import misfit
+from .names import dtype_name
 from .records import Group, ModuleState
 from .view_cache import WRITE_SCANS
 
@@ -55,8 +57,9 @@ def land_parameter(module: nn.Module, state: ModuleState, attr: str, value: Any)
     slot's view serves the attribute again.
 
     Raises:
-        RuntimeError: if ``value`` is ``None``, not a tensor, or differs from the
-            slot in shape, dtype, device or ``requires_grad`` (nothing written).
+        RuntimeError: if ``value`` is ``None``, not a tensor, a tensor subclass
+            (a quantized weight), or differs from the slot in shape, dtype,
+            device or ``requires_grad`` (nothing written).
     """
     module._parameters.pop(attr, None)
     views, index = state.slots[attr]
@@ -71,6 +74,16 @@ def land_parameter(module: nn.Module, state: ModuleState, attr: str, value: Any)
         raise RuntimeError(
             f"cannot set {name} to {type(value).__name__}: it is a slot of the flat storage "
             f"({views.flat_name}) and needs a tensor of shape {tuple(shape)}{how}"
+        )
+    misfits = misfit(value, flat)
+    if misfits is not None and value.dtype == flat.dtype:  # another dtype: the message below
+        raise RuntimeError(
+            f"cannot set {name} to {misfits}: a slot of the flat storage ({views.flat_name}) holds "
+            f"a plain {dtype_name(flat.dtype)} tensor, and a quantized or otherwise subclassed "
+            "weight cannot live in a flat buffer; quantize or swap weights inside "
+            "`with storage.unflattened():` (a weight that cannot live in the flat buffer then "
+            "leaves the storage when the block ends, and the rest is laid out again) or after "
+            "remove_flat_storage(model)"
         )
     found = (tuple(value.shape), value.dtype, value.device)
     if found != (tuple(shape), flat.dtype, flat.device):

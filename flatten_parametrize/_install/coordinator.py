@@ -132,6 +132,12 @@ class StorageCore:
         return module
 
     @property
+    def is_attached(self) -> bool:
+        """Return whether the module is alive and this storage is registered on it."""
+        module = self._root_ref()
+        return module is not None and registered_storage(module) is self
+
+    @property
     def module_unchecked(self) -> nn.Module:
         """Return the registered module, also while registration is still under way."""
         module = self._root_ref()
@@ -337,8 +343,16 @@ class StorageCore:
 
     # ------------------------------------------------------------ mode toggles
     def flatten(self) -> None:
-        """Switch to flat mode (a no-op in flat mode), all or nothing."""
+        """Switch to flat mode (a no-op in flat mode), all or nothing.
+
+        Module swaps and weights that left the storage meanwhile lay the groups
+        out again (``rehost.py``): this core is then replaced (:meth:`current`).
+        """
         if not self._flattened:
+            from .rehost import flatten_changed  # it lays out again through relayout.py, which imports this
+
+            if flatten_changed(self):
+                return
             atomically(self.flatten_in)
             # The leaf parameters of unflattened mode have version counters of their own: their
             # in-place updates changed the flat buffers without bumping the flat parameters' counters.
@@ -387,8 +401,9 @@ class StorageCore:
         try:
             yield self
         finally:
-            if was_flat:
-                self.current().flatten()
+            current = self.current()
+            if was_flat and current.is_attached:  # not removed (every weight left it)
+                current.flatten()
 
     def current(self) -> StorageCore:
         """Return the core now registered in this one's place (itself, unless it was laid out again)."""

@@ -92,8 +92,10 @@ def remove_storage(core: StorageCore) -> None:
     core.sync_writes()
 
     def change(tx: Transaction) -> None:
+        aside = surgery.set_aside_misfits(core, tx)  # quantized weights stay as they are
         core.flatten_in(tx)
         surgery.uninstall(core, tx)
+        surgery.put_back(aside, tx)
         core.mark_removed(tx)
         mode_changed()  # an optimizer over its leaves is checked again (they are ordinary now)
 

@@ -33,11 +33,13 @@ layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
+from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
 from .._core.names import MODULE_STATE_ATTR, registered_storage
 from .._core.records import ModuleState, Slot
@@ -48,19 +50,26 @@ from .grouping import resolve_groups
 from .lifecycle import build_storage, remove_storage
 from .module_classes import base_of, contribute
 
-__all__ = ["get_parameter", "reassign", "relayout", "resize_token_embeddings"]
+__all__ = ["get_parameter", "held_names", "reassign", "relayout", "resize_token_embeddings", "slot_names"]
 
 T = TypeVar("T")
 
 
-def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
+def relayout(core: StorageCore, what: str, change: Callable[[], T], *, flat_after: bool | None = None) -> T:
     """Run ``change`` on the plain model, then lay out the same groups again.
+
+    A slot follows its parameter object: where a module swap re-hosted it
+    (the new module holds the same ``nn.Parameter``), its new names are the
+    slot's. A weight that cannot live in a flat buffer (``_core/fit.py``: a
+    quantized tensor, another dtype) leaves the storage, with one warning that
+    names it; when nothing is left, the storage is removed.
 
     Args:
         core: the storage to lay out again.
         what: the operation, for error messages.
         change: the operation; it sees the model as a plain one (ordinary
             parameters, original classes).
+        flat_after: the mode afterwards (default: the mode before).
 
     Returns:
         What ``change`` returns.
@@ -73,31 +82,76 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
     core.sync_writes()
     root = core.module
     facade = core.facade
-    was_flat = core.is_flattened
+    was_flat = core.is_flattened if flat_after is None else flat_after
     modules = dict(root.named_modules(remove_duplicate=False))
+    held = held_names(modules)
     plan = [
-        (
-            group.name,
-            group.flat,
-            [n for slot in group.members for n in surgery.live_names(core, slot, modules)],
-        )
+        (group.name, group.flat, [n for slot in group.members for n in slot_names(core, slot, modules, held)])
         for group in core.groups()
     ]
+    # The names of slots that nothing serves now: a weight there that cannot live in a flat buffer (a
+    # quantized one, put in by the module swap that replaced the slot's module) is reported as left.
+    orphans = [n for s in core.slots() if not slot_names(core, s, modules, held) for n in s.all_names]
     align = max((group.layout.align for group in core.groups()), default=1)
+    before = {group.name: group.flat.numel() for group in core.groups()}
     remove_storage(core)
     try:
         return change()
     finally:
         # Also when ``change`` raised: the model is flattened again as the operation left it,
         # as a plain model is left by a failed operation.
-        new = _register_again(root, plan, align)
-        core.replaced_by = new
-        new.no_sync_depth = core.no_sync_depth
-        new.facade = facade
-        if facade is not None:
-            facade._core = new
-        if not was_flat:
-            new.unflatten()
+        new, released = _register_again(root, plan, align, orphans)
+        if new is not None:
+            core.replaced_by = new
+            new.no_sync_depth = core.no_sync_depth
+            new.facade = facade
+            if facade is not None:
+                facade._core = new
+            if not was_flat:
+                new.unflatten()
+        if released:
+            _warn_released(what, released, before, new)
+
+
+def held_names(modules: dict[str, nn.Module]) -> dict[int, list[str]]:
+    """Return, by parameter ``id``, every name under which a module of ``modules`` holds it."""
+    held: dict[int, list[str]] = {}
+    for path, module in modules.items():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                held.setdefault(id(param), []).append(f"{path}.{attr}" if path else attr)
+    return held
+
+
+def slot_names(
+    core: StorageCore, slot: Slot, modules: dict[str, nn.Module], held: dict[int, list[str]]
+) -> list[str]:
+    """Return the names of ``slot`` now: the live ones, then where a module swap re-hosted its parameter."""
+    names = list(surgery.live_names(core, slot, modules))
+    return names + [name for name in held.get(id(slot.param), ()) if name not in names]
+
+
+def _warn_released(
+    what: str,
+    released: list[tuple[str, str]],
+    before: dict[str, int],
+    new: StorageCore | None,
+) -> None:
+    listed = ", ".join(f"{name} ({why})" for name, why in released)
+    if new is None:
+        after = "nothing was left in it, so the flat storage was removed (get_flat_storage(model) is None)"
+    else:
+        sizes = {group.name: group.flat.numel() for group in new.groups()}
+        after = "; ".join(
+            f"group '{name}' was laid out again ({numel:,} -> {sizes.get(name, 0):,} elements)"
+            for name, numel in before.items()
+        )
+    warnings.warn(
+        f"{what}: {len(released)} tensor(s) cannot live in a flat buffer and left the flat storage: "
+        f"{listed}. They are ordinary parameters of their modules now, as on the plain model; {after}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def check_relayout(core: StorageCore, what: str) -> None:
@@ -122,17 +176,31 @@ def check_relayout(core: StorageCore, what: str) -> None:
 
 
 def _register_again(
-    root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int
-) -> StorageCore:
-    """Register the groups of ``plan`` (name, flat parameter, member names) over ``root``'s parameters."""
+    root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int, orphans: Sequence[str] = ()
+) -> tuple[StorageCore | None, list[tuple[str, str]]]:
+    """Register the groups of ``plan`` (name, flat parameter, member names) over ``root``'s parameters.
+
+    ``orphans``: names of slots that nothing served before the operation; a
+    tensor there that cannot live in a flat buffer is reported with the
+    released ones (anything else there is a new module's own: left ordinary).
+
+    Returns:
+        The new core (``None`` when no group has a parameter left), and each
+        name whose tensor cannot live in its group's buffer, with the reason.
+    """
     seen: set[int] = set()
     groups: dict[str, list[nn.Parameter]] = {}
-    for name, _, names in plan:
+    released: list[tuple[str, str]] = []
+    for name, flat, names in plan:
         params = []
         for qualified in names:
             try:
                 param = root.get_parameter(qualified)
             except AttributeError:  # the operation deleted it (or set it to None)
+                continue
+            why = misfit(param, flat)
+            if why is not None:
+                released.append((qualified, why))
                 continue
             if id(param) not in seen:  # tied by the operation to a parameter of an earlier group
                 seen.add(id(param))
@@ -141,8 +209,19 @@ def _register_again(
                     param.grad = None  # resized: its old gradient has no place in the new layout
         if params:
             groups[name] = params
+    flats = [flat for _, flat, _ in plan]
+    for qualified in orphans:
+        try:
+            param = root.get_parameter(qualified)
+        except AttributeError:
+            continue
+        reasons = [misfit(param, flat) for flat in flats]
+        if reasons and all(reasons):  # no group could hold it
+            released.append((qualified, str(reasons[0])))
+    if not groups:
+        return None, released
     specs = resolve_groups(root, groups)
-    return build_storage(root, specs, align, reuse={name: flat for name, flat, _ in plan})
+    return build_storage(root, specs, align, reuse={name: flat for name, flat, _ in plan}), released
 
 
 # ------------------------------------------------------------ the injected methods

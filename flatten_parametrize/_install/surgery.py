@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
 from .._core.foreign import is_foreign, local_shard
 from .._core.layout import GroupLayout
@@ -35,8 +36,10 @@ __all__ = [
     "invalidate",
     "live_names",
     "locate",
+    "put_back",
     "refresh_originals",
     "rewrap_flat_param",
+    "set_aside_misfits",
     "uninstall",
     "unflatten_module",
     "zero_padding",
@@ -329,6 +332,45 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
         owner.__dict__.pop("parametrizations", None)
         owner._modules.pop("parametrizations", None)
     tx.set_attr(owner, "__class__", state.prev_class)
+
+
+Aside = list[tuple[nn.Module, str, Any]]
+
+
+def set_aside_misfits(storage: Coordinator, tx: Transaction) -> Aside:
+    """Unflattened mode: put each slot's leaf back where a tensor that cannot live in its buffer replaced it.
+
+    A weight quantized inside ``unflattened()`` (a tensor subclass) or converted
+    to another dtype has no place in the flat buffer (``_core/fit.py``); while
+    the storage is removed or laid out again, the slot's leaf (which holds the
+    slot's values) stands in for it, and :func:`put_back` returns it to its
+    module afterwards. Undone with ``tx``.
+
+    Returns:
+        ``(module, attribute, tensor)`` of each replaced entry.
+    """
+    if storage.is_flattened:
+        return []
+    modules = _modules(storage.module)
+    groups = storage.groups()
+    aside: Aside = []
+    for slot in storage.slots():
+        flat = groups[slot.group_index].flat
+        for name in live_names(storage, slot, modules):
+            owner, attr = locate(modules, name)
+            value = owner._parameters.get(attr)
+            if misfit(value, flat) is not None:
+                tx.keep_dict(owner._parameters)
+                owner._parameters[attr] = slot.param
+                aside.append((owner, attr, value))
+    return aside
+
+
+def put_back(aside: Aside, tx: Transaction) -> None:
+    """Give each module the tensor that :func:`set_aside_misfits` took from it (undone with ``tx``)."""
+    for owner, attr, value in aside:
+        tx.keep_dict(owner._parameters)
+        owner._parameters[attr] = value
 
 
 # ------------------------------------------------------------------ mode switches

@@ -1,0 +1,106 @@
+"""torchao's module swaps and quantization run on a flattened model as on the plain one (not importing it).
+
+torchao's ``quantize_`` (post-training quantization and ``QATConfig``), its
+legacy QAT quantizers' ``prepare``/``convert`` and float8 training's
+``convert_to_float8_training`` swap modules with ``new.weight = old.weight``
+and replace weights by quantized tensor subclasses. In flat mode ``old.weight``
+is a view of the flat buffer, which torch refuses as a parameter
+(``cannot assign 'torch.FloatTensor' as parameter 'weight'``), and a
+quantized tensor cannot live in a flat buffer. So each of these entry points,
+called on a module that holds a flattened storage in flat mode, runs inside
+``storage.unflattened()``, where the model is a plain one: when the block ends,
+a swapped-in module that re-hosts a parameter takes over its slot (a change of
+owner: same flat parameters, no dead space) and a quantized weight leaves the
+storage with a warning (``_install/rehost.py``). The wrappers are installed as
+soon as torchao's modules are imported (``on_import.py``).
+
+What is wrapped is what those entry points call through their module's
+globals (``quant_api._replace_with_custom_fn_if_matches_filter``, the walk
+that ``quantize_`` makes over the model; ``float8_linear_utils.swap_linear_layers``)
+and the quantizers' methods, so a ``quantize_`` imported by name before
+``flatten_parametrize`` is covered too. A call nested in a wrapped one (the walk
+recurses) runs as is.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from contextlib import ExitStack
+from types import ModuleType
+from typing import Any, Callable
+
+from torch import nn
+
+from .names import library_state, registered_storage
+from .on_import import when_imported
+
+__all__ = ["flat_storages_in", "install"]
+
+_WRAPPED = "_flatten_parametrize_wrapped"
+
+#: module -> the function that its entry points call to change the model (its first argument).
+_FUNCTIONS = {
+    "torchao.quantization.quant_api": "_replace_with_custom_fn_if_matches_filter",
+    "torchao.float8.float8_linear_utils": "swap_linear_layers",
+}
+#: Depth of wrapped calls running in this thread (a nested one runs as is).
+_running = threading.local()
+#: The module of the legacy QAT quantizers, whose ``prepare`` and ``convert`` swap modules.
+_QUANTIZERS = "torchao.quantization.qat.linear"
+
+
+def install() -> None:
+    """Wrap torchao's entry points now if they are imported, else right after their import."""
+    for name in _FUNCTIONS:
+        when_imported(name, _patch_function)
+    when_imported(_QUANTIZERS, _patch_quantizers)
+
+
+def flat_storages_in(model: Any) -> list[Any]:
+    """Return the storages in flat mode that hold parameters of ``model`` (registered, wrapping or inner)."""
+    if not isinstance(model, nn.Module):
+        return []
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        state = library_state(module)
+        for core in (registered_storage(module), None if state is None else state.storage):
+            if core is not None and core.is_flattened:
+                found[id(core)] = core
+    return list(found.values())
+
+
+def _wrap(original: Callable[..., Any], model_at: int) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def swap_on_plain_model(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_running, "depth", 0)
+        model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
+        storages = [] if depth else flat_storages_in(model)
+        _running.depth = depth + 1
+        try:
+            with ExitStack() as stack:
+                for storage in storages:
+                    stack.enter_context(storage.unflattened())
+                return original(*args, **kwargs)
+        finally:
+            _running.depth = depth
+
+    setattr(swap_on_plain_model, _WRAPPED, True)
+    return swap_on_plain_model
+
+
+def _patch_function(module: ModuleType) -> None:
+    name = _FUNCTIONS[module.__name__]
+    original = getattr(module, name, None)
+    if callable(original) and not getattr(original, _WRAPPED, False):
+        setattr(module, name, _wrap(original, 0))
+
+
+def _patch_quantizers(module: ModuleType) -> None:
+    for cls in list(vars(module).values()):
+        if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        for method in ("prepare", "convert"):
+            original = cls.__dict__.get(method)
+            if callable(original) and not getattr(original, _WRAPPED, False):
+                setattr(cls, method, _wrap(original, 1))  # (self, model, ...)
