@@ -24,15 +24,18 @@ re-exported here). Dependencies run one way, downwards in this list, and
   core, the injected classes, flatten/unflatten, install/remove, pickling and
   deep copy, grouping, laying groups out again (model operations that change
   shapes or ties), the per-tensor mode's gradients (leaves whose ``.grad`` are
-  views of the flat gradients);
+  views of the flat gradients), module swaps and weights that left the storage
+  (laid out again on ``flatten()``) and the dead-space warning;
 * ``_state/``: state dicts (both forms, atomic loads), state-dict aliases,
-  optimizer-state conversion and ``attach_optimizer``;
+  optimizer-state conversion, ``attach_optimizer`` and optimizer state that
+  follows a group laid out again;
 * ``_core/``: what everything else stands on: names, layout, records and
   protocols (the coordinator's read API, the feature lifecycle, the
   flat-gradient hook), the view cache (the hot path), gradients, write landing,
   transactions, the optimizer step checks (weight decay, element-wise math,
   leaves of the other mode) and the patches of outside modules on their import
-  (timm's decay rule here; DCP's and Lightning's in ``_distributed/``).
+  (timm's decay rule and torchao's module swaps here; DCP's and Lightning's in
+  ``_distributed/``).
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage

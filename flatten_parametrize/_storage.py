@@ -249,9 +249,19 @@ class FlatStorage:
         (a slot whose ``.grad`` is ``None`` while others have one gets zeros).
         Does nothing in flat mode.
 
+        A module swap that re-hosts a parameter (``new.weight = old.weight``)
+        keeps its slot; a weight replaced by a tensor that cannot live in a flat
+        buffer (a quantized tensor subclass, another dtype) leaves the storage
+        with a warning naming it; slots of replaced modules (dead space) are
+        dropped. Then the groups are laid out again (the same ``FlatParameter``
+        objects; optimizer state follows at the next step), or the storage is
+        removed when nothing is left.
+
         Raises:
             RuntimeError: if a parameter was reassigned with another shape, set
-                to ``None``, or a tie was broken; the module is left unchanged.
+                to ``None``, or a tie was broken, or if the groups must be laid
+                out again while features hold the layout; the module is left
+                unchanged.
 
         Example:
             >>> from torch import nn
@@ -262,7 +272,7 @@ class FlatStorage:
             >>> storage.is_flattened
             True
         """
-        self._core.flatten()
+        self._core.flatten(relayout=True)
 
     def unflatten(self) -> None:
         """Switch to unflattened (per-tensor) mode: every attribute is a real leaf ``nn.Parameter``.

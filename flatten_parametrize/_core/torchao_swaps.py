@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from contextlib import ExitStack
 from types import ModuleType
 from typing import Any, Callable
@@ -44,6 +45,8 @@ _FUNCTIONS = {
     "torchao.quantization.quant_api": "_replace_with_custom_fn_if_matches_filter",
     "torchao.float8.float8_linear_utils": "swap_linear_layers",
 }
+#: The start of the dead-space warning of ``_install/dead_space.py``.
+_DEAD_SPACE = "a submodule replaced after registration leaves"
 #: Depth of wrapped calls running in this thread (a nested one runs as is).
 _running = threading.local()
 #: The module of the legacy QAT quantizers, whose ``prepare`` and ``convert`` swap modules.
@@ -81,6 +84,9 @@ def _wrap(original: Callable[..., Any], model_at: int) -> Callable[..., Any]:
             with ExitStack() as stack:
                 for storage in storages:
                     stack.enter_context(storage.unflattened())
+                if storages:  # what a swap leaves dead is reclaimed when the block ends
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.filterwarnings("ignore", message=_DEAD_SPACE)
                 return original(*args, **kwargs)
         finally:
             _running.depth = depth

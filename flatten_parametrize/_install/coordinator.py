@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, Union
 
@@ -54,6 +54,10 @@ __all__ = ["FlatTensors", "StorageCore"]
 FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 
 F = TypeVar("F")
+
+#: Run by the user's ``flatten()`` in unflattened mode before it flattens as usual; one that returns
+#: ``True`` flattened by laying the groups out again (``rehost.py`` adds its step when imported).
+ON_FLATTEN: list[Callable[[StorageCore], bool]] = []
 
 
 class StorageCore:
@@ -342,16 +346,18 @@ class StorageCore:
         }
 
     # ------------------------------------------------------------ mode toggles
-    def flatten(self) -> None:
+    def flatten(self, *, relayout: bool = False) -> None:
         """Switch to flat mode (a no-op in flat mode), all or nothing.
 
-        Module swaps and weights that left the storage meanwhile lay the groups
-        out again (``rehost.py``): this core is then replaced (:meth:`current`).
+        Args:
+            relayout: the user's ``flatten()`` (and the end of ``unflattened()``):
+                module swaps, weights that left the storage and dead space of
+                unflattened mode lay the groups out again first (``rehost.py``,
+                through :data:`ON_FLATTEN`); this core is then replaced
+                (:meth:`current`). The library's own switches keep the core.
         """
         if not self._flattened:
-            from .rehost import flatten_changed  # it lays out again through relayout.py, which imports this
-
-            if flatten_changed(self):
+            if relayout and any(step(self) for step in ON_FLATTEN):
                 return
             atomically(self.flatten_in)
             # The leaf parameters of unflattened mode have version counters of their own: their
@@ -403,7 +409,7 @@ class StorageCore:
         finally:
             current = self.current()
             if was_flat and current.is_attached:  # not removed (every weight left it)
-                current.flatten()
+                current.flatten(relayout=True)
 
     def current(self) -> StorageCore:
         """Return the core now registered in this one's place (itself, unless it was laid out again)."""

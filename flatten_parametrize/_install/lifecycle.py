@@ -23,7 +23,7 @@ from . import surgery
 from .coordinator import StorageCore
 from .grouping import GroupSpec
 
-__all__ = ["build_storage", "install_storage", "remove_storage"]
+__all__ = ["build_storage", "install_storage", "remove_in", "remove_storage"]
 
 
 def build_storage(
@@ -31,15 +31,18 @@ def build_storage(
     specs: Sequence[GroupSpec],
     align: int,
     reuse: Mapping[str, FlatParameter] | None = None,
+    tx: Transaction | None = None,
 ) -> StorageCore:
     """Lay out ``specs`` (checked groups of ``target``), copy the values in and install a new core.
 
     ``reuse``: by group name, a flat parameter object to hold that group's new
     buffer and layout instead of a new one (a storage laid out again keeps its
     flat parameters, so that the optimizers that hold them keep them;
-    ``relayout.py``). Atomic: if installing raises, ``target`` is as before
-    (a reused flat parameter is left with the new buffer).
+    ``relayout.py``). All or nothing: as part of ``tx`` if given, else on its
+    own (if it raises, ``target`` and every reused flat parameter are as before).
     """
+    if tx is None:
+        return atomically(lambda own: build_storage(target, specs, align, reuse, own))
     reuse = reuse or {}
     flats: list[FlatParameter] = []
     layouts = []
@@ -64,42 +67,52 @@ def build_storage(
                 offsets=layout.offsets,
             )
         else:
-            kept.grad = None  # the gradients are the members' (install gathers them)
-            kept.data = data
-            kept.requires_grad_(first.requires_grad)
+            # Recorded: as_flat_parameter sets its class and layout, the new group serves it.
+            tx.keep_dict(kept.__dict__)
+            tx.set_attr(kept, "__class__", type(kept))
+            tx.set_attr(kept, "grad", None)  # the gradients are the members' (install gathers them)
+            tx.set_attr(kept, "data", data)
+            tx.set_attr(kept, "requires_grad", first.requires_grad)
             flat = as_flat_parameter(kept, names, layout.shapes, layout.numels, layout.offsets)
         flats.append(flat)
         layouts.append(layout)
         slots += [Slot(s.name, tuple(s.names[1:]), g, i, s.param) for i, s in enumerate(spec.slots)]
     core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
-    install_storage(core)
+    install_storage(core, tx)
     return core
 
 
-def install_storage(core: StorageCore) -> None:
-    """Make ``core`` take over its module (classes, parametrizations, flat parameters), atomically."""
+def install_storage(core: StorageCore, tx: Transaction | None = None) -> None:
+    """Make ``core`` take over its module (classes, parametrizations, flat parameters), all or nothing.
+
+    As part of ``tx`` if given, else on its own.
+    """
 
     def change(tx: Transaction) -> None:
         surgery.install(core, tx)
         register_leaves(core, [(slot.name, slot.param) for slot in core.slots()], tx)
 
-    atomically(change)
+    if tx is None:
+        atomically(change)
+    else:
+        change(tx)
     core.members()  # recorded now: unflattened mode takes the state out of the modules
+
+
+def remove_in(core: StorageCore, tx: Transaction) -> None:
+    """Undo the registration of ``core`` as part of ``tx``: plain parameters with the current values."""
+    aside = surgery.set_aside_misfits(core, tx)  # quantized weights stay as they are
+    core.flatten_in(tx)
+    surgery.uninstall(core, tx)
+    surgery.put_back(aside, tx)
+    core.mark_removed(tx)
+    mode_changed()  # an optimizer over its leaves is checked again (they are ordinary now)
 
 
 def remove_storage(core: StorageCore) -> None:
     """Undo the registration of ``core``: plain parameters with the current values (atomically)."""
     core.sync_writes()
-
-    def change(tx: Transaction) -> None:
-        aside = surgery.set_aside_misfits(core, tx)  # quantized weights stay as they are
-        core.flatten_in(tx)
-        surgery.uninstall(core, tx)
-        surgery.put_back(aside, tx)
-        core.mark_removed(tx)
-        mode_changed()  # an optimizer over its leaves is checked again (they are ordinary now)
-
-    atomically(change)
+    atomically(lambda tx: remove_in(core, tx))
     core.invalidate()
     for feature in list(core.features):
         feature.on_removed()  # delete the offload files (values are in RAM now), remove grad-sync hooks

@@ -14,50 +14,65 @@ one. When the storage flattens again:
   the rest of its group is laid out again, and one warning names what left
   (the storage is removed when nothing is left).
 
-Both lay the groups out again through ``relayout.relayout``, which also drops
-the dead space of modules replaced meanwhile. Anything else flattens as usual
-(``surgery.flatten_module``).
+Both lay the groups out again, all or nothing (``relayout.relayout_flat``), which drops
+the dead space of modules replaced or deleted (in either mode), as it does when
+only dead space is found and no feature holds the layout. Anything else
+flattens as usual (``surgery.flatten_module``).
 """
 
 from __future__ import annotations
 
 from .._core.fit import misfit
 from . import surgery
-from .coordinator import StorageCore
-from .relayout import held_names, relayout
+from .coordinator import ON_FLATTEN, StorageCore
+from .relayout import held_names, relayout_flat
 
-__all__ = ["flatten_changed", "needs_relayout"]
+__all__ = ["changes", "flatten_changed"]
 
 
-def needs_relayout(core: StorageCore) -> bool:
-    """Return whether a slot of ``core`` (unflattened) was re-hosted by a module swap or holds a misfit."""
+def changes(core: StorageCore) -> tuple[bool, bool]:
+    """Return whether a slot of unflattened ``core`` was re-hosted or holds a misfit; whether one is dead."""
     root = core.module
     modules = dict(root.named_modules(remove_duplicate=False))
     held = held_names(modules)
     groups = core.groups()
+    changed = dead = False
     for slot in core.slots():
         flat = groups[slot.group_index].flat
         live = surgery.live_names(core, slot, modules)
-        if any(name not in live for name in held.get(id(slot.param), ())):
-            return True  # re-hosted
+        names = held.get(id(slot.param), ())
+        if any(name not in live for name in names):
+            changed = True  # re-hosted
+        elif not live:
+            dead = True
         for name in live:
             owner, attr = surgery.locate(modules, name)
             if misfit(owner._parameters.get(attr), flat) is not None:
-                return True
-    return False
+                changed = True
+    return changed, dead
 
 
 def flatten_changed(core: StorageCore) -> bool:
     """Flatten ``core`` by laying its groups out again if unflattened mode changed owners or weights.
 
+    Dead space (slots of modules replaced or deleted) is reclaimed the same way,
+    unless features hold the layout (then it stays, as ``summary()`` shows).
+
     Returns:
         Whether it did; ``False``: nothing of the kind changed (flatten as usual).
 
     Raises:
-        RuntimeError: as ``relayout.check_relayout`` (features hold the layout:
-            nothing changed, the storage stays unflattened).
+        RuntimeError: as ``relayout.check_relayout`` for a re-hosted or released
+            slot while features hold the layout (nothing changed, the storage
+            stays unflattened).
     """
-    if core.is_flattened or not needs_relayout(core):
+    if core.is_flattened:
         return False
-    relayout(core, "flatten()", lambda: None, flat_after=True)
+    changed, dead = changes(core)
+    if not changed and not (dead and not core.features and not core.using_depth and core.pending is None):
+        return False
+    relayout_flat(core, "flatten()")
     return True
+
+
+ON_FLATTEN.append(flatten_changed)

@@ -34,28 +34,40 @@ layout.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
+from .._core.caller import caller_level
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
 from .._core.names import MODULE_STATE_ATTR, registered_storage
 from .._core.records import ModuleState, Slot
+from .._core.transaction import Transaction, atomically
 from .._core.view_cache import same_memory
+from .._state import relaid_optim
+from .._state.relaid_optim import Move
 from . import surgery
 from .coordinator import StorageCore
 from .grouping import resolve_groups
-from .lifecycle import build_storage, remove_storage
+from .lifecycle import build_storage, remove_in, remove_storage
 from .module_classes import base_of, contribute
 
-__all__ = ["get_parameter", "held_names", "reassign", "relayout", "resize_token_embeddings", "slot_names"]
+__all__ = [
+    "get_parameter",
+    "held_names",
+    "reassign",
+    "relayout",
+    "relayout_flat",
+    "resize_token_embeddings",
+    "slot_names",
+]
 
 T = TypeVar("T")
 
 
-def relayout(core: StorageCore, what: str, change: Callable[[], T], *, flat_after: bool | None = None) -> T:
+def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
     """Run ``change`` on the plain model, then lay out the same groups again.
 
     A slot follows its parameter object: where a module swap re-hosted it
@@ -69,7 +81,6 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T], *, flat_afte
         what: the operation, for error messages.
         change: the operation; it sees the model as a plain one (ordinary
             parameters, original classes).
-        flat_after: the mode afterwards (default: the mode before).
 
     Returns:
         What ``change`` returns.
@@ -80,37 +91,117 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T], *, flat_afte
     """
     check_relayout(core, what)
     core.sync_writes()
-    root = core.module
-    facade = core.facade
-    was_flat = core.is_flattened if flat_after is None else flat_after
-    modules = dict(root.named_modules(remove_duplicate=False))
-    held = held_names(modules)
-    plan = [
-        (group.name, group.flat, [n for slot in group.members for n in slot_names(core, slot, modules, held)])
-        for group in core.groups()
-    ]
-    # The names of slots that nothing serves now: a weight there that cannot live in a flat buffer (a
-    # quantized one, put in by the module swap that replaced the slot's module) is reported as left.
-    orphans = [n for s in core.slots() if not slot_names(core, s, modules, held) for n in s.all_names]
-    align = max((group.layout.align for group in core.groups()), default=1)
-    before = {group.name: group.flat.numel() for group in core.groups()}
+    was_flat = core.is_flattened
+    plan = _Plan(core)
     remove_storage(core)
+    moved = plan.moved()
     try:
         return change()
     finally:
         # Also when ``change`` raised: the model is flattened again as the operation left it,
         # as a plain model is left by a failed operation.
-        new, released = _register_again(root, plan, align, orphans)
+        new, released = _register_again(plan)
+        plan.hand_over(new)
+        if new is not None and not was_flat:
+            new.unflatten()
+        plan.report(what, new, released, moved)
+
+
+def relayout_flat(core: StorageCore, what: str) -> None:
+    """Lay out the groups of ``core`` again as the model is now, in flat mode, all or nothing.
+
+    What :func:`relayout` does with an operation that changes nothing: unflattened
+    mode's module swaps, released weights and dead space (``rehost.py``).
+
+    Raises:
+        RuntimeError: as :func:`check_relayout` (nothing changed).
+    """
+    check_relayout(core, what)
+    core.sync_writes()
+    plan = _Plan(core)
+
+    def change(tx: Transaction) -> tuple[StorageCore | None, list[tuple[str, str]], dict[int, Any]]:
+        remove_in(core, tx)
+        moved = plan.moved()
+        new, released = _register_again(plan, tx)
+        plan.hand_over(new, tx)
+        return new, released, moved
+
+    new, released, moved = atomically(change)
+    core.invalidate()
+    plan.report(what, new, released, moved)
+
+
+class _Plan:
+    """What a storage laid out again keeps: its groups by name, their flat parameters and member names."""
+
+    def __init__(self, core: StorageCore) -> None:
+        self.core = core
+        self.root = core.module
+        self.facade = core.facade
+        modules = dict(self.root.named_modules(remove_duplicate=False))
+        held = held_names(modules)
+        self.groups = [
+            (g.name, g.flat, [n for slot in g.members for n in slot_names(core, slot, modules, held)])
+            for g in core.groups()
+        ]
+        # The names of slots that nothing serves now: a weight there that cannot live in a flat buffer
+        # (a quantized one, put in by the swap that replaced the slot's module) is reported as left.
+        self.orphans = [
+            n for s in core.slots() if not slot_names(core, s, modules, held) for n in s.all_names
+        ]
+        self.align = max((group.layout.align for group in core.groups()), default=1)
+        self.before = {group.name: group.flat.numel() for group in core.groups()}
+        self.where = [(slot, core.groups()[slot.group_index]) for slot in core.slots()]
+
+    def moved(self) -> dict[int, Any]:
+        """Return where each slot's parameter was, by ``id`` (after removal, which may reassign them)."""
+        return {
+            id(s.param): (g.name, g.layout.offsets[s.index], g.layout.numels[s.index]) for s, g in self.where
+        }
+
+    def hand_over(self, new: StorageCore | None, tx: Transaction | None = None) -> None:
+        """Make ``new`` the storage behind the user's ``FlatStorage`` and the old core's successor."""
+        if new is None:
+            return
+        new.no_sync_depth = self.core.no_sync_depth
+        new.facade = self.facade
+        for obj, attr in ((self.core, "replaced_by"), (self.facade, "_core")):
+            if obj is None:
+                continue
+            if tx is None:
+                setattr(obj, attr, new)
+            else:
+                tx.set_attr(obj, attr, new)
+
+    def report(
+        self, what: str, new: StorageCore | None, released: list[tuple[str, str]], moved: dict[int, Any]
+    ) -> None:
+        """After the change: record where optimizer state moves, warn about the tensors that left."""
         if new is not None:
-            core.replaced_by = new
-            new.no_sync_depth = core.no_sync_depth
-            new.facade = facade
-            if facade is not None:
-                facade._core = new
-            if not was_flat:
-                new.unflatten()
+            _record_moves(new, moved, self.before)
         if released:
-            _warn_released(what, released, before, new)
+            _warn_released(what, released, self.before, new)
+
+
+def _record_moves(new: StorageCore, old_at: dict[int, tuple[str, int, int]], before: dict[str, int]) -> None:
+    """Record where each slot of each group of ``new`` was, so that optimizer state follows it."""
+    for group in new.groups():
+        if group.name not in before:
+            continue
+        segments = []
+        resized = False
+        for slot in group.members:
+            found = old_at.get(id(slot.param))
+            if found is not None and found[0] == group.name:
+                resized = resized or found[2] != group.layout.numels[slot.index]
+                segments.append((found[1], group.layout.offsets[slot.index], found[2]))
+        if resized:
+            # resize_token_embeddings: that slot's state fits no more, as on the plain model (whose
+            # optimizer then raises for it); the group's state is left as it is.
+            continue
+        move = Move(group.flat_name, before[group.name], group.flat.numel(), segments)
+        relaid_optim.record(group.flat, move)
 
 
 def held_names(modules: dict[str, nn.Module]) -> dict[int, list[str]]:
@@ -150,8 +241,9 @@ def _warn_released(
         f"{what}: {len(released)} tensor(s) cannot live in a flat buffer and left the flat storage: "
         f"{listed}. They are ordinary parameters of their modules now, as on the plain model; {after}",
         UserWarning,
-        stacklevel=4,
+        stacklevel=caller_level(),
     )
+
 
 
 def check_relayout(core: StorageCore, what: str) -> None:
@@ -176,22 +268,21 @@ def check_relayout(core: StorageCore, what: str) -> None:
 
 
 def _register_again(
-    root: nn.Module, plan: list[tuple[str, FlatParameter, list[str]]], align: int, orphans: Sequence[str] = ()
+    plan: _Plan, tx: Transaction | None = None
 ) -> tuple[StorageCore | None, list[tuple[str, str]]]:
-    """Register the groups of ``plan`` (name, flat parameter, member names) over ``root``'s parameters.
-
-    ``orphans``: names of slots that nothing served before the operation; a
-    tensor there that cannot live in a flat buffer is reported with the
-    released ones (anything else there is a new module's own: left ordinary).
+    """Register the groups of ``plan`` over its module's parameters now (as part of ``tx`` if given).
 
     Returns:
         The new core (``None`` when no group has a parameter left), and each
-        name whose tensor cannot live in its group's buffer, with the reason.
+        name whose tensor cannot live in its group's buffer, with the reason
+        (also a slot's old name that nothing served before: anything else
+        there is a new module's own, left ordinary).
     """
+    root = plan.root
     seen: set[int] = set()
     groups: dict[str, list[nn.Parameter]] = {}
     released: list[tuple[str, str]] = []
-    for name, flat, names in plan:
+    for name, flat, names in plan.groups:
         params = []
         for qualified in names:
             try:
@@ -209,8 +300,8 @@ def _register_again(
                     param.grad = None  # resized: its old gradient has no place in the new layout
         if params:
             groups[name] = params
-    flats = [flat for _, flat, _ in plan]
-    for qualified in orphans:
+    flats = [flat for _, flat, _ in plan.groups]
+    for qualified in plan.orphans:
         try:
             param = root.get_parameter(qualified)
         except AttributeError:
@@ -221,7 +312,8 @@ def _register_again(
     if not groups:
         return None, released
     specs = resolve_groups(root, groups)
-    return build_storage(root, specs, align, reuse={name: flat for name, flat, _ in plan}), released
+    reuse = {name: flat for name, flat, _ in plan.groups}
+    return build_storage(root, specs, plan.align, reuse, tx), released
 
 
 # ------------------------------------------------------------ the injected methods

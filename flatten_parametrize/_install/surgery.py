@@ -390,6 +390,13 @@ def _current_params(storage: Coordinator, modules: dict[str, nn.Module]) -> list
                     f"cannot flatten: {name} is {type(param).__name__}, not a parameter; "
                     "assign an nn.Parameter of its shape before flattening"
                 )
+            why = misfit(param, group.flat)
+            if why is not None:
+                raise RuntimeError(
+                    f"cannot flatten: {name} holds {why}, which cannot live in a flat buffer; "
+                    "storage.flatten() (or the end of a storage.unflattened() block) releases it from the "
+                    "flat storage and lays its group out again"
+                )
             if tuple(param.shape) != shape:
                 raise RuntimeError(
                     f"cannot flatten: {name} has shape {tuple(param.shape)} but its slot "

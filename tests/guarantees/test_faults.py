@@ -225,6 +225,32 @@ def _setup_remove_after_replacement() -> tuple[nn.Module, Callable[[], Any]]:
     return model, lambda: remove_flat_storage(model)
 
 
+class _Packed(torch.Tensor):
+    """A tensor subclass (as a quantized weight is): it cannot live in a flat buffer."""
+
+
+class _Rehosted(nn.Linear):
+    """A swapped-in layer that takes over the old one's parameter objects (as torchao's QAT prepare)."""
+
+
+def _swap_and_release(model: Net) -> None:
+    """Unflattened mode: a swap that re-hosts frozen's parameters, a weight that leaves the storage."""
+    with torch.device("meta"):
+        new = _Rehosted(4, 4)
+    new.weight, new.bias = model.frozen.weight, model.frozen.bias
+    model.frozen = new
+    packed = model.body[1].weight.detach().clone().as_subclass(_Packed)
+    model.body[1].weight = nn.Parameter(packed, requires_grad=False)
+
+
+def _setup_flatten_after_swap_and_release() -> tuple[nn.Module, Callable[[], Any]]:
+    model, storage = _registered()
+    storage.unflatten()
+    _edit_unflattened(model)
+    _swap_and_release(model)
+    return model, storage.flatten
+
+
 SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "register": _setup_register,
     "flatten_after_edits": _setup_flatten_edited,
@@ -241,6 +267,7 @@ SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "pickle_round_trip": _setup_pickle,
     "flatten_after_replacement": _setup_flatten_after_replacement,
     "remove_after_replacement": _setup_remove_after_replacement,
+    "flatten_after_swap_and_release": _setup_flatten_after_swap_and_release,
 }
 
 #: Line faults run on these scenarios: together they execute every library line that the
@@ -258,6 +285,7 @@ LINE_SCENARIOS = [
     "pickle_round_trip",
     "flatten_after_replacement",
     "remove_after_replacement",
+    "flatten_after_swap_and_release",
 ]
 
 #: Library modules that only plan (read the module, change nothing): no line faults there.
