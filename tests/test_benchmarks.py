@@ -138,12 +138,16 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
     assert rows == [
         "DDP + AdamW",
         "flat buckets + AdamW",
+        "flat buckets + AdamW, per-tensor mode",
+        "DDP + AdamW fused",
+        "flat buckets + AdamW fused",
         "ShardedOptimizer ZeRO-1",
         "ShardedOptimizer ZeRO-2",
         "ZeroRedundancyOptimizer + DDP",
         "FSDP2 fully_shard",
     ]
     assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
+    assert "per-tensor mode peak RSS <= 1.00x DDP:" in done.stdout
 
 
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .._core.flat_parameter import BASE_GRAD
+from .._core.grad import BASE_GRAD
 from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Coordinator, Group
 from .._core.transaction import Transaction
@@ -79,8 +79,8 @@ class PerTensorGrads:
         register_leaves(storage, [(slot.name, slot.param) for slot in storage.slots()], tx)
         self._slot_at = {(slot.group_index, slot.index): slot for slot in storage.slots()}
         for group in storage.groups():
-            if group.views.grad_owner is not self:
-                tx.set_attr(group.views, "grad_owner", self)
+            if group.grad_buffer.keeper is not self:
+                tx.set_attr(group.grad_buffer, "keeper", self)
             if not group.flat.requires_grad:
                 continue
             for slot in group.members:
@@ -98,8 +98,8 @@ class PerTensorGrads:
         storage = self._storage_ref()
         if storage is not None:
             for group in storage.groups():
-                if group.views.grad_owner is self:
-                    tx.set_attr(group.views, "grad_owner", None)
+                if group.grad_buffer.keeper is self:
+                    tx.set_attr(group.grad_buffer, "keeper", None)
         for key in list(self._hooks):
             leaf, handle = self._hooks.pop(key)
             handle.remove()
