@@ -7,6 +7,13 @@ gradient sync, step):
 * ``DDP + AdamW``: ``DistributedDataParallel`` with its defaults, the baseline;
 * ``flat buckets + AdamW``: ``register_flat_storage(model, bucket_cap_mb=cap)``
   and ``storage.enable_grad_sync()``, every rank stepping the whole model;
+* ``flat buckets + AdamW, per-tensor mode``: the same, with ``storage.unflatten()``
+  before building the optimizer (AdamW steps the plain model's tensors, whose
+  gradients are views of the flat buckets);
+* ``DDP + AdamW fused`` / ``flat buckets + AdamW fused``: both with
+  ``AdamW(fused=True)``, which allocates no temporaries (the default AdamW
+  on CPU allocates two the size of each tensor it steps, so of each flat
+  parameter in flat mode);
 * ``ShardedOptimizer ZeRO-1`` / ``ZeRO-2``: the same buckets with
   ``ShardedOptimizer(storage, AdamW, shard_gradients=False / True)``;
 * ``ZeroRedundancyOptimizer + DDP``: torch's ZeRO-1, whole parameters per rank;
@@ -73,7 +80,9 @@ DDP, FLAT, ZERO1, ZERO2 = (
     "ShardedOptimizer ZeRO-2",
 )
 ZRO, FSDP = "ZeroRedundancyOptimizer + DDP", "FSDP2 fully_shard"
-CONTENDERS = (DDP, FLAT, ZERO1, ZERO2, ZRO, FSDP)
+PER_TENSOR = "flat buckets + AdamW, per-tensor mode"
+DDP_FUSED, FLAT_FUSED = "DDP + AdamW fused", "flat buckets + AdamW fused"
+CONTENDERS = (DDP, FLAT, PER_TENSOR, DDP_FUSED, FLAT_FUSED, ZERO1, ZERO2, ZRO, FSDP)
 WORLD = 2
 MIB = 2**20
 
@@ -122,10 +131,11 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     opt: torch.optim.Optimizer
     state_of = None
     grads_of = None
-    if contender in (DDP, ZRO):
+    fused = contender in (DDP_FUSED, FLAT_FUSED) or None
+    if contender in (DDP, DDP_FUSED, ZRO):
         model = DistributedDataParallel(model, bucket_cap_mb=cap)
-        if contender == DDP:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if contender != ZRO:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
         else:
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
             state_of = opt.optim.state
@@ -137,10 +147,12 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         storage = register_flat_storage(model, bucket_cap_mb=cap)
-        if contender == FLAT:
+        if contender in (FLAT, PER_TENSOR, FLAT_FUSED):
             storage.broadcast_params()
             storage.enable_grad_sync()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            if contender == PER_TENSOR:
+                storage.unflatten()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
         else:
             opt = ShardedOptimizer(storage, torch.optim.AdamW, lr=1e-4, shard_gradients=contender == ZERO2)
             shards = [p for g in opt.local_optimizer.param_groups for p in g["params"]]
@@ -356,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "ZeRO-2 faster than ZeroRedundancyOptimizer": medians[ZERO2] < medians[ZRO],
         "ZeRO-2 faster than FSDP2": medians[ZERO2] < medians[FSDP],
         "ZeRO-2 state + grads <= 0.55x DDP": counted_ratio[ZERO2] <= 0.55,
+        "flat buckets peak RSS <= 1.00x DDP": peak_ratio[FLAT] <= 1.00,
+        "flat buckets fused peak RSS <= 1.00x DDP fused": peaks[FLAT_FUSED] <= peaks[DDP_FUSED],
+        "per-tensor mode peak RSS <= 1.00x DDP": peak_ratio[PER_TENSOR] <= 1.00,
+        "per-tensor mode step <= 1.05x DDP": ratio[PER_TENSOR] <= 1.05,
     }
     verdicts = ", ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in targets.items())
     table.notes += [

@@ -14,19 +14,26 @@ from _hf import gpt2, lm_dataset
 
 
 class LitLM(L.LightningModule):
-    """Trains a GPT-2 with AdamW; with ``flat=True`` its ``configure_model`` registers a flat storage."""
+    """Trains a GPT-2 with AdamW; with ``flat=True`` its ``configure_model`` registers a flat storage.
 
-    def __init__(self, flat: bool, seed: int = 0) -> None:
+    With ``per_tensor=True`` too, the storage trains in per-tensor mode (``storage.unflatten()``).
+    """
+
+    def __init__(self, flat: bool, seed: int = 0, per_tensor: bool = False) -> None:
         super().__init__()
         self.model = gpt2(seed)
         self.flat = flat
+        self.per_tensor = per_tensor
         self.storages: list[FlatStorage] = []
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.flat:
             groups = weight_decay_groups(self.model)
-            self.storages.append(register_flat_storage(self.model, groups, exist_ok=True))
+            storage = register_flat_storage(self.model, groups, exist_ok=True)
+            if self.per_tensor and storage.is_flattened:
+                storage.unflatten()
+            self.storages.append(storage)
 
     def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
         loss: torch.Tensor = self.model(**batch).loss
@@ -41,7 +48,7 @@ class LitLM(L.LightningModule):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.0)
         storage = get_flat_storage(self.model)
-        if storage is not None:  # checkpoints in the plain model's format, and either format resumes
+        if storage is not None and storage.is_flattened:  # plain-format checkpoints; either format resumes
             storage.attach_optimizer(optimizer)
         return optimizer
 

@@ -1,4 +1,4 @@
-"""timm beside the CPU build of torch: a folder of its own, used by the subprocesses of the timm tests only.
+"""timm and torchtune beside the CPU build of torch: folders of their own, for their tests' subprocesses.
 
 timm imports torchvision, and the only torchvision wheel for a given torch on the package index
 (0.28.0 for torch 2.13) is a CUDA build: installed into the test environment it fails to import
@@ -22,6 +22,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMM = "timm==1.0.31"
+TORCHTUNE = [
+    "torchtune==0.6.1", "torchao==0.11.0", "torchdata==0.11.0", "omegaconf==2.4.0",
+    "antlr4-python3-runtime==4.9.3", "datasets==5.2.0", "pyarrow==26.0.1", "dill==0.4.1",
+    "multiprocess==0.70.19", "xxhash==4.1.0", "pandas==3.1.1", "sentencepiece==0.2.3", "tiktoken==0.14.0",
+    "blobfile==3.3.0", "kagglehub==1.0.3",
+]  # fmt: skip
 
 
 def torchvision_for(torch_version: str) -> str:
@@ -36,16 +42,37 @@ def timm_folder() -> Path:
     Raises:
         RuntimeError: if pip cannot install them (the timm tests then fail, they are not skipped).
     """
-    folder = ROOT / ".side-packages" / torch.__version__.split("+")[0]
-    if (folder / "timm").is_dir() and (folder / "torchvision").is_dir():
+    return side_folder("", [TIMM, torchvision_for(torch.__version__)], ("timm", "torchvision"))
+
+
+def torchtune_folder() -> Path:
+    """Return a folder holding torchtune and what it imports that the test environment lacks.
+
+    torchtune 0.6.1 imports names that torchao moved after 0.11 (``torchao.dtypes.nf4tensor``,
+    ``TensorCoreTiledLayout``), so this folder holds torchao 0.11.0, first on ``sys.path`` of the
+    torchtune cases only (its C++ kernels do not load beside torch 2.13 and are not needed: the
+    cases use torchtune's LoRA modules, ``get_adapter_params`` and its optimizer-in-backward
+    helpers), and the packages torchtune imports at the top (datasets and its own dependencies, the
+    tokenizers' libraries, torchdata, omegaconf). The torchtune cases also put the timm folder on
+    the path for torchvision, which torchtune imports too.
+
+    Raises:
+        RuntimeError: if pip cannot install them (the torchtune tests then fail, they are not skipped).
+    """
+    return side_folder("torchtune", TORCHTUNE, ("torchtune", "torchao", "datasets"))
+
+
+def side_folder(name: str, requirements: list[str], expected: tuple[str, ...]) -> Path:
+    """Install ``requirements`` with ``pip --no-deps --target .side-packages/<torch version>[-name]`` once."""
+    version = torch.__version__.split("+")[0]
+    folder = ROOT / ".side-packages" / (f"{version}-{name}" if name else version)
+    if all((folder / package).is_dir() for package in expected):
         return folder
-    command = [
-        sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(folder),
-        TIMM, torchvision_for(torch.__version__),
-    ]  # fmt: skip
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(folder)]
+    command += requirements
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ))
     if done.returncode != 0:
-        raise RuntimeError(f"could not install timm beside torch: {' '.join(command)}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"could not install beside torch: {' '.join(command)}\n{done.stderr[-3000:]}")
     return folder
 
 

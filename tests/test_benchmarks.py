@@ -83,6 +83,16 @@ def test_mixed_precision_in_process_ab_prints_every_contender(tmp_path: Path, ro
         assert f"| {contender} | " in done.stdout, contender
 
 
+def test_per_tensor_in_process_ab_prints_every_optimizer_and_contender(tmp_path: Path) -> None:
+    """`python -m benchmarks.ab_per_tensor --quick` times plain, per-tensor, flat per step and optimizer."""
+    done = _run(["-m", "benchmarks.ab_per_tensor", "--quick", "--turns", "3"], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for label in ("AdamW foreach=True", "AdamW fused=True", "Adafactor"):
+        assert f"{label}: 3 turns" in done.stdout, label
+    for contender in ("plain", "per-tensor mode", "register_flat_storage"):
+        assert done.stdout.count(f"| {contender} | ") == 3, contender
+
+
 def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:
     """Without fairscale its rows read "not installed" and the run still succeeds."""
     code = (
@@ -138,12 +148,16 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
     assert rows == [
         "DDP + AdamW",
         "flat buckets + AdamW",
+        "flat buckets + AdamW, per-tensor mode",
+        "DDP + AdamW fused",
+        "flat buckets + AdamW fused",
         "ShardedOptimizer ZeRO-1",
         "ShardedOptimizer ZeRO-2",
         "ZeroRedundancyOptimizer + DDP",
         "FSDP2 fully_shard",
     ]
     assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
+    assert "per-tensor mode peak RSS <= 1.00x DDP:" in done.stdout
 
 
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ tree of pages with a broken block in it.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -22,8 +23,12 @@ import pytest
 pytestmark = pytest.mark.slow  # subprocesses
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the docs read: their sources, and the files their pages include.
-INCLUDED = ["README.md", "CHANGELOG.md", "notebooks", "benchmarks/RESULTS.md", "benchmarks/depth_sweep.png"]
+# What the docs read: their sources, the files their pages include, and the repository files they link to
+# (the site serves those as downloads).
+INCLUDED = [
+    "README.md", "CHANGELOG.md", "notebooks", "benchmarks", "tests", "flatten_parametrize", "constraints",
+]  # fmt: skip
+IGNORED = shutil.ignore_patterns("__pycache__", "out", ".hypothesis")
 
 
 def _load_build() -> ModuleType:
@@ -45,7 +50,7 @@ def sources(tmp_path: Path) -> Path:
         source, target = ROOT / name, tmp_path / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
-            shutil.copytree(source, target)
+            shutil.copytree(source, target, ignore=IGNORED)
         else:
             shutil.copyfile(source, target)
     return tmp_path / "docs"
@@ -190,3 +195,28 @@ def test_blocks_continue_on_their_page_and_a_marked_block_is_skipped(tmp_path: P
     assert proc.returncode == 0, out
     assert "2 passed, 1 skipped" in out, out
     assert "docs/page.md:14: not run: needs a cluster" in out
+
+
+# --- References to repository files: links (on the site a copy of the file, in a checkout the file).
+
+REPO_PATH = re.compile(
+    r"(?<!\[)`((?:tests|flatten_parametrize|benchmarks|constraints)/[\w./-]+\.(?:py|txt|pt))"
+)
+
+
+def test_references_to_repository_files_in_the_pages_are_links() -> None:
+    """A `tests/...py` (or package, benchmark, constraint file) named in a page's text links to that file.
+
+    The strict build then checks that each link names a file (the site serves it as a download).
+    """
+    bare = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        if "_build" in page.parts:
+            continue
+        fenced = False
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            elif not fenced:
+                bare += [f"{page.relative_to(ROOT)}:{number}: {m.group(1)}" for m in REPO_PATH.finditer(line)]
+    assert not bare, "repository files named without a link:\n" + "\n".join(bare)

@@ -11,14 +11,13 @@ from torch import nn
 
 from .compiling import never_traced
 from .decay_check import watch_optimizers
+from .grad import BASE_GRAD, GradBuffer
 
-__all__ = ["BASE_GRAD", "FlatParameter", "serve"]
+__all__ = ["FlatParameter", "serve"]
 
 #: torch's own descriptors of ``Tensor.data`` and ``Tensor.grad``, which the properties below extend.
 _BASE_DATA: Any = vars(torch._C.TensorBase)["data"]
-_BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
-#: torch's own ``Tensor.grad`` descriptor, for the owner of a flat gradient in unflattened mode.
-BASE_GRAD = _BASE_GRAD
+_BASE_GRAD: Any = BASE_GRAD
 _is_compiling = torch.compiler.is_compiling
 #: Attribute (in the flat parameter's ``__dict__``) holding a weak reference to the views it serves.
 _SERVED_BY = "_flat_served_by"
@@ -37,18 +36,8 @@ class _Served(Protocol):
         """Drop the cached views: the flat buffer is about to be replaced."""
 
     @property
-    def grad_owner(self) -> _GradOwner | None:
-        """Who keeps the flat gradient in unflattened mode (``None`` in flat mode)."""
-
-
-class _GradOwner(Protocol):
-    """Who keeps a flat gradient while the members are leaf parameters (``_install/per_tensor.py``)."""
-
-    def flat_grad(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """Return the flat gradient as the leaves have it."""
-
-    def set_flat_grad(self, flat: torch.Tensor, value: torch.Tensor | None) -> None:
-        """Assign the flat gradient (the leaves' gradients become views of it)."""
+    def grad_buffer(self) -> GradBuffer:
+        """The owner of the group's flat gradient (``_core/grad.py``)."""
 
 
 def serve(flat: torch.Tensor, views: _Served) -> None:
@@ -194,26 +183,22 @@ class FlatParameter(nn.Parameter):
             views = _served(self)
             if views is not None:
                 views.sync()
-                owner = views.grad_owner
-                if owner is not None:  # unflattened mode: the leaves hold the gradients
-                    return owner.flat_grad(self)
+                return views.grad_buffer.read(self)  # in unflattened mode: the leaves' gradients
         return _BASE_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
         views = _served(self)
-        owner = None if views is None else views.grad_owner
-        if owner is not None:
-            owner.set_flat_grad(self, value)
+        if views is not None:
+            views.grad_buffer.write(self, value)
         else:
             _BASE_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
         views = _served(self)
-        owner = None if views is None else views.grad_owner
-        if owner is not None:
-            owner.set_flat_grad(self, None)
+        if views is not None:
+            views.grad_buffer.write(self, None)
         else:
             _BASE_GRAD.__delete__(self)
 

@@ -22,7 +22,15 @@ from torch import Tensor
 
 from .layout import GroupLayout
 
-__all__ = ["FlatGradHook", "GradBuffer", "PRESCALE_MIN_SEGMENT_BYTES", "check_sync", "claim_sync"]
+__all__ = [
+    "BASE_GRAD",
+    "FlatGradHook",
+    "GradBuffer",
+    "GradKeeper",
+    "PRESCALE_MIN_SEGMENT_BYTES",
+    "check_sync",
+    "claim_sync",
+]
 
 
 class FlatGradHook(Protocol):
@@ -75,6 +83,20 @@ class _SyncClaim:
 PRESCALE_MIN_SEGMENT_BYTES = 16 * 1024
 
 
+#: torch's own ``Tensor.grad`` descriptor (``FlatParameter.grad`` extends it).
+BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
+
+
+class GradKeeper(Protocol):
+    """Who holds a group's flat gradient while its members are leaves (``_install/per_tensor.py``)."""
+
+    def flat_grad(self, flat: Tensor) -> Tensor | None:
+        """Return the flat gradient as the leaves have it."""
+
+    def set_flat_grad(self, flat: Tensor, value: Tensor | None) -> None:
+        """Assign the flat gradient (the leaves' gradients become views of it)."""
+
+
 class GradBuffer:
     """One reusable CPU buffer for a group's flat gradient, the group's gradient hooks and its sync claim.
 
@@ -86,6 +108,13 @@ class GradBuffer:
     backward writes into it again instead. It holds no reference to the views
     or the module (it is reachable from autograd nodes).
 
+    It is the one owner of the group's flat gradient that the rest of the
+    library asks (``Group.grad_buffer``): :meth:`read` / :meth:`write` give and
+    take the flat gradient in either mode (in unflattened mode a *keeper*, the
+    per-tensor mode's ``_install/per_tensor.py``, holds it as the leaves'
+    gradients), and gradient sync, ``ShardedOptimizer`` and ZeRO-2's release
+    hook on :meth:`add_hook`.
+
     ``reduce_dtype`` is the dtype in which the gradient travels between ranks
     (the ``reduce_dtype`` of a mixed-precision policy; ``None``: its own).
 
@@ -95,7 +124,7 @@ class GradBuffer:
     the holder's message. The holder is held weakly: its claim ends with it.
     """
 
-    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "reduce_dtype")
+    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "keeper", "reduce_dtype")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -117,6 +146,23 @@ class GradBuffer:
         #: The dtype in which gradient sync and ``ShardedOptimizer`` reduce this group's gradient
         #: across ranks (``None``: the gradient's own); a mixed-precision policy sets it.
         self.reduce_dtype: torch.dtype | None = None
+        #: Who holds the flat gradient while the members are leaf parameters (unflattened mode);
+        #: ``None``: the flat parameter's own ``.grad``.
+        self.keeper: GradKeeper | None = None
+
+    # ------------------------------------------------------------ the flat gradient
+    def read(self, flat: Tensor) -> Tensor | None:
+        """Return the flat gradient of ``flat`` (this group's flat parameter), or ``None``."""
+        keeper = self.keeper
+        return BASE_GRAD.__get__(flat) if keeper is None else keeper.flat_grad(flat)
+
+    def write(self, flat: Tensor, value: Tensor | None) -> None:
+        """Make ``value`` the flat gradient of ``flat``; in unflattened mode the leaves' views of it."""
+        keeper = self.keeper
+        if keeper is None:
+            BASE_GRAD.__set__(flat, value)
+        else:
+            keeper.set_flat_grad(flat, value)
 
     def add_hook(self, hook: FlatGradHook) -> None:
         """Have backward call ``hook`` for each flat gradient of this group (after the hooks added before)."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter, serve
+from .grad import GradBuffer
 from .layout import GroupLayout
 from .view_cache import GroupViews
 
@@ -98,6 +99,11 @@ class Group:
 
     def __post_init__(self) -> None:
         serve(self.flat, self.views)  # its `.data` setter and `.grad` getter reach the view cache
+
+    @property
+    def grad_buffer(self) -> GradBuffer:
+        """The owner of this group's flat gradient: its memory, hooks, sync claim, reduce dtype and keeper."""
+        return self.views.grad_buffer
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""

@@ -293,7 +293,6 @@ class GroupViews:
         "check_next_forward",
         "flat_name",
         "forward_depth",
-        "grad_owner",
         "layout",
         "names",
         "params",
@@ -320,9 +319,6 @@ class GroupViews:
         #: How many forwards of the registered module are running (its forward hooks count them):
         #: views served from a source outside of them are shown to it (:meth:`ViewSource.exposed`).
         self.forward_depth = 0
-        #: Who keeps the flat gradient while the members are leaf parameters (unflattened mode:
-        #: ``_install/per_tensor.py``); ``None`` in flat mode. ``FlatParameter.grad`` goes through it.
-        self.grad_owner: Any = None
         #: With a source: the flat tensor, its ``data_ptr()`` and one detached split of it, for
         #: :meth:`master_view`.
         self._masters: tuple[Tensor, int, tuple[Tensor, ...]] | None = None
@@ -646,7 +642,6 @@ class GroupViews:
         new.cast = None
         new.check_next_forward = False
         new.forward_depth = 0
-        new.grad_owner = None
         return new
 
     def __getstate__(self) -> None:

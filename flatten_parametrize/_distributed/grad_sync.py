@@ -264,7 +264,7 @@ class GradSync:
         with in_flat_mode(storage):
             groups = [g for g in storage.groups() if g.flat.requires_grad]
             works = [
-                _all_reduce(_flat_grad(g.flat), pg, world, op, g.views.grad_buffer.reduce_dtype)
+                _all_reduce(_flat_grad(g.flat), pg, world, op, g.grad_buffer.reduce_dtype)
                 for g in groups
             ]
             for work in works:
@@ -304,7 +304,7 @@ class GradSync:
             )
         storage = self._storage
         _ = storage.module  # raises for a detached storage
-        buffers = [group.views.grad_buffer for group in storage.groups()]
+        buffers = [group.grad_buffer for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
         self.state = _SyncState(pg, world, len(storage.groups()))
         self.rehook()
@@ -320,10 +320,10 @@ class GradSync:
             if storage is not None:
                 for group, prescale in zip(storage.groups(), state.prescales):
                     if prescale is not None:
-                        group.views.grad_buffer.remove_hook(prescale)
+                        group.grad_buffer.remove_hook(prescale)
         if storage is not None:
             for group in storage.groups():
-                group.views.grad_buffer.release_sync(self)
+                group.grad_buffer.release_sync(self)
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:
@@ -339,7 +339,7 @@ class GradSync:
             for handle in (state.handles[g], state.pre_handles[g]):
                 if handle is not None:
                     handle.remove()
-            buffer = group.views.grad_buffer
+            buffer = group.grad_buffer
             old = state.prescales[g]
             if old is not None:
                 buffer.remove_hook(old)
@@ -376,7 +376,7 @@ class GradSync:
                 if not (final or state.ready[g]):
                     return
                 op = "sum" if state.prescaled[g] == state.task else "mean"  # divided in backward
-                dtype = groups[g].views.grad_buffer.reduce_dtype
+                dtype = groups[g].grad_buffer.reduce_dtype
                 state.works.append(_all_reduce(_flat_grad(flat), state.process_group, state.world, op, dtype))
             state.next += 1
 

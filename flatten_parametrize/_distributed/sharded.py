@@ -412,7 +412,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
         """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
-        dtype = self._storage().groups()[shard.g].views.grad_buffer.reduce_dtype
+        dtype = self._storage().groups()[shard.g].grad_buffer.reduce_dtype
         return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
 
     def _finish(self) -> None:
@@ -731,7 +731,7 @@ def _synced(storage: Coordinator, flats: Iterable[Tensor]) -> list[Group]:
 
 
 def _buffers(groups: Iterable[Group]) -> list[GradBuffer]:
-    return [group.views.grad_buffer for group in groups]
+    return [group.grad_buffer for group in groups]
 
 
 class _Member:
@@ -760,7 +760,7 @@ class _Member:
 
     def watch(self, group: Group) -> None:
         """Be the flat-gradient hook of ``group``."""
-        buffer = self.buffers[group.index] = group.views.grad_buffer
+        buffer = self.buffers[group.index] = group.grad_buffer
         buffer.add_hook(self)
 
     def hook_flat(self, g: int, flat: Tensor, hook: Callable[[Tensor], None]) -> None:

@@ -261,10 +261,10 @@ class MixedPrecision:
         self._copies: dict[int, _ComputeCopy] = {}
         for group in storage.groups():
             policy = self.policies.get(group.name)
-            group.views.grad_buffer.reduce_dtype = None
+            group.grad_buffer.reduce_dtype = None
             if policy is None or policy.param_dtype is None:
                 continue
-            group.views.grad_buffer.reduce_dtype = policy.reduce_dtype or policy.param_dtype
+            group.grad_buffer.reduce_dtype = policy.reduce_dtype or policy.param_dtype
             if policy.param_dtype != group.flat.dtype:
                 self._copies[group.index] = _ComputeCopy(policy.param_dtype)
                 group.views.source = self._source_for(group.index)
@@ -471,7 +471,7 @@ class MixedPrecision:
             for group in storage.groups():
                 group.views.source = None
                 group.views.cast = None
-                group.views.grad_buffer.reduce_dtype = None
+                group.grad_buffer.reduce_dtype = None
             _unhook(storage.module_unchecked)
         for copy in self._copies.values():
             if copy.master is not None:

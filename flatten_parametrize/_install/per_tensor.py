@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .._core.flat_parameter import BASE_GRAD
+from .._core.grad import BASE_GRAD
 from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Coordinator, Group
 from .._core.transaction import Transaction
@@ -67,6 +67,8 @@ class PerTensorGrads:
         #: Groups whose leaves got a gradient in the backward in flight, and that backward's task.
         self._touched: set[int] = set()
         self._task = -1
+        #: The storage's groups, looked up at the first leaf hook of each backward.
+        self._groups: tuple[Group, ...] | list[Group] = ()
         #: Per group index: the flat gradient last split into slots, and its slots (one split per buffer).
         self._regions: dict[int, tuple[Tensor, list[Tensor]]] = {}
         #: ``(group index, slot index) -> slot``, made at :meth:`attach` (a hook finds its slot at once).
@@ -79,8 +81,8 @@ class PerTensorGrads:
         register_leaves(storage, [(slot.name, slot.param) for slot in storage.slots()], tx)
         self._slot_at = {(slot.group_index, slot.index): slot for slot in storage.slots()}
         for group in storage.groups():
-            if group.views.grad_owner is not self:
-                tx.set_attr(group.views, "grad_owner", self)
+            if group.grad_buffer.keeper is not self:
+                tx.set_attr(group.grad_buffer, "keeper", self)
             if not group.flat.requires_grad:
                 continue
             for slot in group.members:
@@ -98,13 +100,14 @@ class PerTensorGrads:
         storage = self._storage_ref()
         if storage is not None:
             for group in storage.groups():
-                if group.views.grad_owner is self:
-                    tx.set_attr(group.views, "grad_owner", None)
+                if group.grad_buffer.keeper is self:
+                    tx.set_attr(group.grad_buffer, "keeper", None)
         for key in list(self._hooks):
             leaf, handle = self._hooks.pop(key)
             handle.remove()
             tx.on_undo(self._rehook(leaf, key))
         self._touched.clear()
+        self._task, self._groups = -1, ()
         self._regions.clear()
         mode_changed()
 
@@ -165,41 +168,47 @@ class PerTensorGrads:
                     region.zero_()
                 elif grad is not region and not same_memory(grad, region):
                     region.copy_(grad)
-                    if grad._base is None:
+                    if grad._base is None and not grad.requires_grad:
                         slot.param.grad = region
         return current
 
     # -------------------------------------------------------------- backward
     def landed(self, g: int, index: int, leaf: Tensor) -> None:
         """Hook body: ``leaf`` (slot ``index`` of group ``g``) has its gradient for this backward."""
-        storage = self._storage_ref()
-        if storage is None or storage.is_flattened:
-            return
-        slot = self._slot_at.get((g, index))
         grad = leaf.grad
-        if slot is None or slot.param is not leaf or grad is None:
+        if grad is None:
             return
-        group = storage.groups()[g]
+        task = _graph_task_id()
+        if task != self._task:  # the first hook of this backward: look the storage up once
+            storage = self._storage_ref()
+            if storage is None or storage.is_flattened:
+                return
+            self._task = task
+            self._touched = set()
+            self._groups = storage.groups()
+            _queue_callback(self._backward_end)
+        slot = self._slot_at.get((g, index))
+        if slot is None or slot.param is not leaf:
+            return
+        group = self._groups[g]
         current = BASE_GRAD.__get__(group.flat)
         if current is None:
             current = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
             BASE_GRAD.__set__(group.flat, current)
         region = self._slots_of(g, group, current)[index]
         if grad is not region and not same_memory(grad, region):
-            with torch.no_grad():
+            if grad.requires_grad:  # backward(create_graph=True): the leaf keeps its gradient and graph
+                with torch.no_grad():
+                    region.copy_(grad)
+            else:
                 region.copy_(grad)
-            if grad._base is None:  # a view of another buffer (DDP's bucket) stays: its owner checks it
-                leaf.grad = region
-        task = _graph_task_id()
-        if task != self._task:
-            self._task = task
-            self._touched = set()
-            _queue_callback(self._backward_end)
+                if grad._base is None:  # a view of another buffer (DDP's bucket) stays: its owner checks it
+                    leaf.grad = region
         self._touched.add(g)
 
     def _backward_end(self) -> None:
         """Engine callback: zero the slots of leaves without a gradient, run the flat parameters' hooks."""
-        touched, self._touched, self._task = self._touched, set(), -1
+        touched, self._touched, self._task, self._groups = self._touched, set(), -1, ()
         storage = self._storage_ref()
         if storage is None or storage.is_flattened:
             return

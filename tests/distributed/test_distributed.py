@@ -208,9 +208,58 @@ def _scenario_per_tensor_sync(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _scenario_per_tensor_fsdp2(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 (per layer and the root) and DCP over a per-tensor model, and plain FSDP2 from the same seed."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    plain = mlp(depth=3, width=6)
+    model = copy.deepcopy(plain)
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    for m in (plain, model):
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(m)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (plain, model)]
+    per_rank = 8 // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for step in range(3):
+        x, y = _batch(step)
+        for m, opt in zip((plain, model), opts):
+            opt.zero_grad()
+            _mse(m(x[mine]), y[mine]).backward()
+            opt.step()
+    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    plain_full = {n: p.full_tensor().detach().clone() for n, p in plain.named_parameters()}
+    model_sd, optim_sd = get_state_dict(model, opts[1])
+    plain_model_sd, plain_optim_sd = get_state_dict(plain, opts[0])
+    folder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder[0])
+    for p in model.parameters():  # spoil the weights, then resume them from the checkpoint
+        p.detach().zero_()
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=folder[0])
+    set_state_dict(model, opts[1], model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    resumed = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {
+        "trained": full,
+        "plain": plain_full,
+        "resumed": resumed,
+        "model keys": (sorted(model_sd), sorted(plain_model_sd)),
+        "optim keys": (sorted(optim_sd["state"]), sorted(plain_optim_sd["state"])),
+    }
+
+
 _SCENARIOS = {
     "sync_training": _scenario_sync_training,
     "per_tensor_sync": _scenario_per_tensor_sync,
+    "per_tensor_fsdp2": _scenario_per_tensor_fsdp2,
     "divided_in_backward": _scenario_divided_in_backward,
     "no_sync": _scenario_no_sync,
     "unused_group": _scenario_unused_group,
@@ -249,6 +298,18 @@ def _run_scenarios(rank: int, world: int, outdir: Path) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One launch of 2 ranks running every scenario; the last one makes rank 1 fail."""
     return launch_gloo(_run_scenarios, tmp_path_factory.mktemp("ranks"))
+
+
+@pytest.mark.slow
+def test_fsdp2_and_dcp_wrap_the_per_tensor_mode_as_a_plain_model(two_ranks):
+    """fully_shard per layer on a per-tensor model trains like plain FSDP2; DCP saves plain keys, resumes."""
+    for result in launch_results(two_ranks, "per_tensor_fsdp2"):
+        assert_same_values(result["trained"], result["plain"])
+        assert_same_values(result["resumed"], result["trained"])
+        model_keys, plain_model_keys = result["model keys"]
+        assert model_keys == plain_model_keys
+        optim_keys, plain_optim_keys = result["optim keys"]
+        assert optim_keys == plain_optim_keys
 
 
 @pytest.mark.slow

@@ -117,11 +117,18 @@ def _train(
     kwargs: dict[str, Any],
     norm_type: float,
     shard: bool,
+    per_tensor: bool = False,
 ) -> dict[str, Any]:
-    """Train the sharded model and a plain twin on the combined batch (groups, clipping, a schedule)."""
+    """Train the sharded model and a plain twin on the combined batch (groups, clipping, a schedule).
+
+    With ``per_tensor`` the flattened model trains in per-tensor mode (``storage.unflatten()`` first):
+    the optimizer slices the same flat gradients, which the leaves' gradients are views of.
+    """
     plain = _net()
     model = copy.deepcopy(plain)
     storage = _register(model)
+    if per_tensor:
+        storage.unflatten()
     groups = [
         {"params": [storage["decay"]], "weight_decay": 0.1},
         {"params": [storage["no_decay"], storage["tiny"], storage["frozen"]], "weight_decay": 0.0},
@@ -153,6 +160,9 @@ def _train(
         for schedule in schedules:
             schedule.step()
         norms.append((float(norm), float(plain_norm)))
+    if per_tensor:
+        assert not storage.is_flattened
+        storage.flatten()
     return {
         "sharded": values(model),
         "plain": values(plain),
@@ -169,6 +179,15 @@ def _scenario_training(rank: int, world: int) -> dict[str, Any]:
         for shard in (True, False):
             results[f"{name}, shard_gradients={shard}"] = _train(rank, world, cls, kwargs, norm_type, shard)
     return results
+
+
+def _scenario_per_tensor(rank: int, world: int) -> dict[str, Any]:
+    """ShardedOptimizer over a flattened model trained in per-tensor mode (ZeRO-1 and ZeRO-2)."""
+    cls, kwargs, norm_type = CONFIGS["adamw_foreach"]
+    return {
+        f"shard_gradients={shard}": _train(rank, world, cls, kwargs, norm_type, shard, per_tensor=True)
+        for shard in (True, False)
+    }
 
 
 def _scenario_one_buffer_collectives(rank: int, world: int) -> dict[str, Any]:
@@ -428,6 +447,7 @@ _SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "mixed_dtypes": _scenario_mixed_dtypes,
     "no_sync": _scenario_no_sync,
     "layout_mismatch": _scenario_layout_mismatch,
+    "per_tensor": _scenario_per_tensor,
 }
 
 
@@ -487,6 +507,17 @@ def test_training_equals_one_process_on_the_combined_batch(ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_per_tensor_mode_trains_like_the_plain_model_under_sharded_optimizer(ranks):
+    """ZeRO-1 and ZeRO-2 over a model in per-tensor mode: the plain weights and clip norms on every rank."""
+    results = launch_results(ranks, "per_tensor")
+    for rank, result in enumerate(results):
+        for config, run in result.items():
+            _assert_trained_alike(run, msg=f"rank {rank}, {config}:")
+            for norm, plain_norm in run["norms"]:
+                assert norm == pytest.approx(plain_norm, rel=1e-6), (rank, config)
+
+
 def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
     """clip_grad_norm_ (2-norm and inf-norm) returns torch's norm of the averaged gradients (rel 1e-6)."""
     for config, result in launch_results(ranks, "training")[0].items():

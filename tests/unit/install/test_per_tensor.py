@@ -100,6 +100,22 @@ def test_micro_batches_accumulate_in_place_in_the_flat_gradient():
         assert torch.equal(p.grad, q.grad)
 
 
+def test_a_gradient_penalty_with_create_graph_differentiates_as_on_the_plain_model():
+    """backward(create_graph=True) keeps each leaf's gradient and graph; the flat gradient has the values."""
+    plain, flat, storage = _pair()
+    for model in (plain, flat):
+        _loss(model, 0).backward(create_graph=True)
+    assert all(p.grad.requires_grad for p in flat.parameters())
+    flat_grad = storage.flat_params[0].grad
+    assert torch.equal(flat_grad, torch.cat([p.grad.detach().reshape(-1) for p in flat.parameters()]))
+    for model in (plain, flat):
+        penalty = sum(p.grad.pow(2).sum() for p in model.parameters())
+        model.zero_grad()
+        penalty.backward()
+    for mine, theirs in zip(flat.parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
 def test_a_flat_clip_in_per_tensor_mode_clips_the_leaves_gradients():
     """`clip_grad_norm_(storage.flat_params)` clips the leaves' gradients as clipping the plain model does."""
     plain, flat, storage = _pair()

@@ -1,0 +1,70 @@
+"""In-process A/B of the per-tensor rows of ``bench_transformer.py``: plain, per-tensor, flat, step by step.
+
+``python -m benchmarks --only transformer`` times rounds of steps per contender; on a shared 2-CPU virtual
+machine its ratios move by 0.1 or more from run to run. Here the three contenders of each per-tensor table
+(the same models, optimizers and batches) take turns after every training step, the order alternating, so
+that each comparison is between steps a few milliseconds apart; the table gives the median time per step
+and two ratios to the plain model: of the medians, and the median of the per-turn ratios.
+
+Run: ``PYTHONPATH=. python -m benchmarks.ab_per_tensor [--turns 40] [--threads 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks import bench_transformer as bench
+from benchmarks._timing import Contender
+
+
+def _turns(contenders: list[Contender], turns: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for turn in range(turns):
+        for contender in contenders if turn % 2 == 0 else reversed(contenders):
+            assert contender.fn is not None
+            start = time.perf_counter()
+            contender.fn()
+            times[contender.name].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Print, per optimizer, the median step of each contender and its ratios to the plain model.
+
+    Returns:
+        ``{optimizer: {contender: median of the per-turn ratios to plain}}``.
+    """
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--turns", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    batch, tokens, d_model = (2, 8, 32) if args.quick else (8, 32, 128)
+    torch.manual_seed(1)
+    x, y = torch.randn(batch, tokens, d_model), torch.randn(batch, tokens, d_model)
+    out: dict[str, dict[str, float]] = {}
+    for label, make in bench.PER_TENSOR_OPTIMIZERS.items():
+        contenders = bench._per_tensor_contenders(make, args.quick, x, y)
+        times = _turns(contenders, args.turns)
+        base = times[bench.PLAIN]
+        print(f"\n{label}: {args.turns} turns, {args.threads} threads; ratios to plain (lower is faster)")
+        print("| contender | median | / plain (medians) | / plain (median of per-turn ratios) |")
+        print("|---|---:|---:|---:|")
+        out[label] = {}
+        for name, samples in times.items():
+            median = statistics.median(samples)
+            paired = statistics.median(a / b for a, b in zip(samples, base))
+            out[label][name] = paired
+            of_medians = median / statistics.median(base)
+            print(f"| {name} | {median * 1e3:.1f} ms | {of_medians:.3f} | {paired:.3f} |")
+    return out
+
+
+if __name__ == "__main__":
+    main()
