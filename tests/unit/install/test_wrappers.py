@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,28 @@ def test_merge_and_unload_gives_the_plain_merged_model():
     assert merged.num_parameters() == ref.num_parameters()
     assert [n for n, _ in merged.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ref.state_dict().values()))
+
+
+def test_registered_before_get_peft_model_trains_and_merges_as_the_plain_model():
+    """Storage first, then LoRA: the adapters stay ordinary, merging leaves no dead space and says nothing."""
+    config = LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0, init_lora_weights=False)
+    base = gpt2()
+    storage = register_flat_storage(base)
+    plain_base = gpt2()
+    torch.manual_seed(1)
+    model = get_peft_model(base, config)
+    torch.manual_seed(1)
+    plain = get_peft_model(plain_base, config)
+    batches = [tokens() for _ in range(3)]
+    train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches, lm_loss)
+    train_steps(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), batches, lm_loss)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="a submodule replaced after registration")
+        merged = model.merge_and_unload()
+    ref = plain.merge_and_unload()
+    assert get_flat_storage(merged) is storage and merged.num_parameters() == ref.num_parameters()
+    ids = tokens()
+    assert torch.equal(merged(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
 def test_groups_name_parameters_as_the_wrapper_or_the_wrapped_model_sees_them():
