@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
-from .._core.foreign import is_foreign, local_shard
+from .._core.foreign import is_distributed, is_foreign, local_shard
 from .._core.layout import GroupLayout
 from .._core.names import MODULE_STATE_ATTR, STORAGE_ATTR, UNFLATTENED
 from .._core.parametrize_interop import HiddenParametrizations, register_view
@@ -389,6 +389,13 @@ def _current_params(storage: Coordinator, modules: dict[str, nn.Module]) -> list
                 raise RuntimeError(
                     f"cannot flatten: {name} is {type(param).__name__}, not a parameter; "
                     "assign an nn.Parameter of its shape before flattening"
+                )
+            if is_distributed(param) and not is_distributed(group.flat):
+                raise RuntimeError(
+                    f"cannot flatten: {name} is a sharded {type(param).__name__} (fully_shard sharded the "
+                    "per-tensor parameters) and the flat storage holds whole tensors; FSDP2 owns these "
+                    "weights now: keep training in per-tensor mode, or shard the flat parameters instead "
+                    "(register_flat_storage, then fully_shard, in flat mode)"
                 )
             why = misfit(param, group.flat)
             if why is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -247,7 +248,15 @@ def _scenario_per_tensor_fsdp2(rank: int, world: int) -> dict[str, Any]:
     dcp.load(loaded, checkpoint_id=folder[0])
     set_state_dict(model, opts[1], model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     resumed = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    try:
+        storage.flatten()
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
     return {
+        "flatten refusal": refusal,
+        "still per-tensor": not storage.is_flattened
+        and all(type(p).__name__ == "DTensor" for p in model.parameters()),
         "trained": full,
         "plain": plain_full,
         "resumed": resumed,
@@ -310,6 +319,11 @@ def test_fsdp2_and_dcp_wrap_the_per_tensor_mode_as_a_plain_model(two_ranks):
         assert model_keys == plain_model_keys
         optim_keys, plain_optim_keys = result["optim keys"]
         assert optim_keys == plain_optim_keys
+        refusal = result["flatten refusal"]
+        assert refusal is not None
+        assert re.search(r"cannot flatten: \S+ is a sharded DTensor \(fully_shard sharded", refusal)
+        assert "keep training in per-tensor mode" in refusal
+        assert result["still per-tensor"]
 
 
 @pytest.mark.slow
