@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,6 +75,21 @@ def side_folder(name: str, requirements: list[str], expected: tuple[str, ...]) -
     if done.returncode != 0:
         raise RuntimeError(f"could not install beside torch: {' '.join(command)}\n{done.stderr[-3000:]}")
     return folder
+
+
+def run_cases(script: str, folders: list[Path], out: Path) -> Any:
+    """Run ``tests/<script> <folders...> <out>`` in a subprocess and return what it saved in ``out``.
+
+    Raises:
+        AssertionError: with the end of its output, if the script fails.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / script), *map(str, folders), str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out, weights_only=False)
 
 
 def define_torchvision_operators() -> None:

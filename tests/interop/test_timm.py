@@ -7,15 +7,10 @@ each optimizer, in per-tensor mode and in flat mode, and these tests read what i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from _side_packages import ROOT, timm_folder
+from _side_packages import run_cases, timm_folder
 
 pytestmark = pytest.mark.slow  # a subprocess
 
@@ -24,14 +19,8 @@ pytestmark = pytest.mark.slow  # a subprocess
 def timm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run every timm case once (in a subprocess) and return what it recorded."""
     out = tmp_path_factory.mktemp("timm") / "results.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    script = Path(__file__).resolve().parent.parent / "_timm_cases.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(timm_folder()), str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    results: dict[str, Any] = run_cases("_timm_cases.py", [timm_folder()], out)
+    return results
 
 
 PER_TENSOR = [

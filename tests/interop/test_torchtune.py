@@ -9,15 +9,11 @@ parameter per group, so torchtune's per-parameter walks see that (documented in 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _side_packages import ROOT, timm_folder, torchtune_folder
+from _side_packages import run_cases, timm_folder, torchtune_folder
 
 pytestmark = pytest.mark.slow  # a subprocess
 
@@ -26,14 +22,8 @@ pytestmark = pytest.mark.slow  # a subprocess
 def tune(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run every torchtune case once (in a subprocess) and return what it recorded."""
     out = tmp_path_factory.mktemp("torchtune") / "results.pt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    script = Path(__file__).resolve().parent.parent / "_torchtune_cases.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(torchtune_folder()), str(timm_folder()), str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out, weights_only=False)
+    results: dict[str, Any] = run_cases("_torchtune_cases.py", [torchtune_folder(), timm_folder()], out)
+    return results
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
