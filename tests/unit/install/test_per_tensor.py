@@ -128,6 +128,27 @@ def test_a_flat_clip_in_per_tensor_mode_clips_the_leaves_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_per_submodule_clipping_and_freezing_act_as_on_the_plain_model():
+    """clip_grad_norm_(model[0].parameters()) and freezing model[2] see the submodules' own parameters."""
+    plain, flat, _ = _pair()
+    assert len(list(flat[0].parameters())) == 2 and len(list(flat[2].parameters())) == 2
+    optimizers = []
+    for model in (plain, flat):
+        model[2].requires_grad_(False)
+        optimizers.append(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5))
+    for step in range(3):
+        norms = []
+        for model, opt in zip((plain, flat), optimizers):
+            opt.zero_grad()
+            _loss(model, step).backward()
+            norms.append(nn.utils.clip_grad_norm_(model[0].parameters(), 1e-3))
+            opt.step()
+        assert torch.equal(norms[0], norms[1]) and norms[0] > 1e-3  # it clipped
+        assert flat[2].weight.grad is None
+    for mine, theirs in zip(flat.parameters(), plain.parameters()):
+        assert torch.equal(mine, theirs)
+
+
 def test_gradients_assigned_either_way_reach_the_other():
     """`leaf.grad = t` lands in the flat gradient; `flat_param.grad = g` gives every leaf a view of g."""
     _, flat, storage = _pair()
