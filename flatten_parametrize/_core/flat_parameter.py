@@ -15,9 +15,8 @@ from .grad import BASE_GRAD, GradBuffer
 
 __all__ = ["FlatParameter", "serve"]
 
-#: torch's own descriptors of ``Tensor.data`` and ``Tensor.grad``, which the properties below extend.
+#: torch's own descriptor of ``Tensor.data``, which the property below extends (``.grad``: ``BASE_GRAD``).
 _BASE_DATA: Any = vars(torch._C.TensorBase)["data"]
-_BASE_GRAD: Any = BASE_GRAD
 _is_compiling = torch.compiler.is_compiling
 #: Attribute (in the flat parameter's ``__dict__``) holding a weak reference to the views it serves.
 _SERVED_BY = "_flat_served_by"
@@ -175,7 +174,7 @@ class FlatParameter(nn.Parameter):
     @never_traced
     def grad(self) -> torch.Tensor | None:
         """The flat gradient (as ``torch.Tensor.grad``), read after landing the views' ``.data`` writes."""
-        # Never traced: dynamo would resolve ``_BASE_GRAD.__get__`` on a Parameter subclass to
+        # Never traced: dynamo would resolve ``BASE_GRAD.__get__`` on a Parameter subclass to
         # this property again (endless recursion), and a compiled frame that reads ``.grad``
         # eagerly (graph inputs, the optimizers' ``_init_group``) would compile this getter
         # as a frame of its own.
@@ -184,7 +183,7 @@ class FlatParameter(nn.Parameter):
             if views is not None:
                 views.sync()
                 return views.grad_buffer.read(self)  # in unflattened mode: the leaves' gradients
-        return _BASE_GRAD.__get__(self)
+        return BASE_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
@@ -192,7 +191,7 @@ class FlatParameter(nn.Parameter):
         if views is not None:
             views.grad_buffer.write(self, value)
         else:
-            _BASE_GRAD.__set__(self, value)
+            BASE_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
@@ -200,7 +199,7 @@ class FlatParameter(nn.Parameter):
         if views is not None:
             views.grad_buffer.write(self, None)
         else:
-            _BASE_GRAD.__delete__(self)
+            BASE_GRAD.__delete__(self)
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
         """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.

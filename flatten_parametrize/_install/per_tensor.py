@@ -68,7 +68,7 @@ class PerTensorGrads:
         self._touched: set[int] = set()
         self._task = -1
         #: The storage's groups, looked up at the first leaf hook of each backward.
-        self._groups: tuple[Group, ...] | list[Group] = ()
+        self._groups: tuple[Group, ...] = ()
         #: Per group index: the flat gradient last split into slots, and its slots (one split per buffer).
         self._regions: dict[int, tuple[Tensor, list[Tensor]]] = {}
         #: ``(group index, slot index) -> slot``, made at :meth:`attach` (a hook finds its slot at once).
@@ -155,21 +155,14 @@ class PerTensorGrads:
         grads = [slot.param.grad for slot in group.members]
         if all(grad is None for grad in grads):
             return None
-        flat = group.flat
-        current = BASE_GRAD.__get__(flat)
-        if current is None:
-            current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-            BASE_GRAD.__set__(flat, current)
+        current = _flat_grad_of(group)
         regions = self._slots_of(group.index, group, current)
         with torch.no_grad():
             for slot, grad in zip(group.members, grads):
-                region = regions[slot.index]
                 if grad is None:
-                    region.zero_()
-                elif grad is not region and not same_memory(grad, region):
-                    region.copy_(grad)
-                    if grad._base is None and not grad.requires_grad:
-                        slot.param.grad = region
+                    regions[slot.index].zero_()
+                else:
+                    _into_slot(slot.param, grad, regions[slot.index])
         return current
 
     # -------------------------------------------------------------- backward
@@ -191,19 +184,7 @@ class PerTensorGrads:
         if slot is None or slot.param is not leaf:
             return
         group = self._groups[g]
-        current = BASE_GRAD.__get__(group.flat)
-        if current is None:
-            current = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
-            BASE_GRAD.__set__(group.flat, current)
-        region = self._slots_of(g, group, current)[index]
-        if grad is not region and not same_memory(grad, region):
-            if grad.requires_grad:  # backward(create_graph=True): the leaf keeps its gradient and graph
-                with torch.no_grad():
-                    region.copy_(grad)
-            else:
-                region.copy_(grad)
-                if grad._base is None:  # a view of another buffer (DDP's bucket) stays: its owner checks it
-                    leaf.grad = region
+        _into_slot(leaf, grad, self._slots_of(g, group, _flat_grad_of(group))[index])
         self._touched.add(g)
 
     def _backward_end(self) -> None:
@@ -242,6 +223,33 @@ class PerTensorGrads:
             if group.flat is flat:
                 return group
         return None
+
+
+def _flat_grad_of(group: Group) -> Tensor:
+    """Return ``group``'s flat gradient, zeros assigned to it first if it has none."""
+    current: Tensor | None = BASE_GRAD.__get__(group.flat)
+    if current is None:
+        current = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
+        BASE_GRAD.__set__(group.flat, current)
+    return current
+
+
+def _into_slot(leaf: Tensor, grad: Tensor, region: Tensor) -> None:
+    """Copy ``leaf``'s gradient ``grad`` into its slot ``region`` of the flat gradient, if it is not there.
+
+    The slot becomes the leaf's gradient, except for a view of another buffer (DDP's bucket keeps it
+    and checks that it is still there) and a gradient with a graph (``backward(create_graph=True)``:
+    the leaf keeps it, for the double backward).
+    """
+    if grad is region or same_memory(grad, region):
+        return
+    if grad.requires_grad:
+        with torch.no_grad():
+            region.copy_(grad)
+        return
+    region.copy_(grad)
+    if grad._base is None:
+        leaf.grad = region
 
 
 def _leaf_hook(ref: weakref.ref[PerTensorGrads], g: int, index: int) -> Any:
