@@ -30,6 +30,7 @@ __all__ = [
     "fmt_ratio",
     "fmt_time",
     "interleave",
+    "call_by_call",
     "at_least",
     "at_most",
     "ratio",
@@ -148,6 +149,18 @@ def interleave(
     finally:
         gc.unfreeze()
     return {name: Samples(values) for name, values in samples.items()}
+
+
+def call_by_call(calls: dict[str, Callable[[], object]], turns: int) -> dict[str, list[float]]:
+    """Time one call of each contender per turn, the order alternating; return the seconds of each call."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for turn in range(turns):
+        for name in names if turn % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def fmt_time(seconds: float) -> str:

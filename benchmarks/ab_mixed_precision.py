@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from benchmarks import bench_mixed_precision as bench
+from benchmarks._timing import call_by_call
 
 ROWS = {"1": bench.STEP1, "4": bench.STEP4, "fb": bench.FWD_BWD}
 
@@ -64,12 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         calls[name] = _call(bench._Trainer(name, model, loss), batches, row)
         for _ in range(3):
             calls[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for turn in range(args.turns):
-        for name in names if turn % 2 == 0 else reversed(names):
-            start = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - start)
+    times = call_by_call(calls, args.turns)
     print(f"{args.model}, {row}, {args.turns} turns, {args.threads} threads; "
           f"ratios to {base} (lower is faster)")
     print(f"| contender | median | / {base} (medians) | / {base} (median of per-turn ratios) |")

@@ -13,23 +13,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from benchmarks import bench_transformer as bench
-from benchmarks._timing import Contender
-
-
-def _turns(contenders: list[Contender], turns: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {c.name: [] for c in contenders}
-    for turn in range(turns):
-        for contender in contenders if turn % 2 == 0 else reversed(contenders):
-            assert contender.fn is not None
-            start = time.perf_counter()
-            contender.fn()
-            times[contender.name].append(time.perf_counter() - start)
-    return times
+from benchmarks._timing import call_by_call
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -51,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for label, make in bench.PER_TENSOR_OPTIMIZERS.items():
         contenders = bench._per_tensor_contenders(make, args.quick, x, y)
-        times = _turns(contenders, args.turns)
+        times = call_by_call({c.name: c.fn for c in contenders if c.fn is not None}, args.turns)
         base = times[bench.PLAIN]
         print(f"\n{label}: {args.turns} turns, {args.threads} threads; ratios to plain (lower is faster)")
         print("| contender | median | / plain (medians) | / plain (median of per-turn ratios) |")
