@@ -52,6 +52,29 @@ def _batch(seed: int, n: int = 8, width: int = 6) -> tuple[torch.Tensor, torch.T
     return torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen)
 
 
+def _train_on_halves(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    plain: nn.Module,
+    ref: torch.optim.Optimizer,
+    rank: int,
+    world: int,
+    steps: int = 3,
+) -> slice:
+    """Train ``model`` on this rank's share of each batch, ``plain`` on the whole batch; return the share."""
+    per_rank = 8 // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        _mse(model(x[mine]), y[mine]).backward()
+        opt.step()
+        ref.zero_grad()
+        _mse(plain(x), y).backward()
+        ref.step()
+    return mine
+
+
 def _scenario_sync_training(rank: int, world: int) -> dict[str, Any]:
     plain = mlp(depth=3, width=6)
     model = copy.deepcopy(plain)
@@ -60,16 +83,7 @@ def _scenario_sync_training(rank: int, world: int) -> dict[str, Any]:
     storage.enable_grad_sync()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-    per_rank = 8 // world
-    for step in range(3):
-        x, y = _batch(step)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        opt.zero_grad()
-        _mse(model(x[mine]), y[mine]).backward()
-        opt.step()
-        ref.zero_grad()
-        _mse(plain(x), y).backward()
-        ref.step()
+    _train_on_halves(model, opt, plain, ref, rank, world)
     return {"synced": values(model), "plain": values(plain), "groups": len(storage.group_names)}
 
 
@@ -182,16 +196,7 @@ def _scenario_per_tensor_sync(rank: int, world: int) -> dict[str, Any]:
     storage.unflatten()  # the whole run in per-tensor mode
     opt = torch.optim.Adafactor(model.parameters(), lr=0.01)
     ref = torch.optim.Adafactor(plain.parameters(), lr=0.01)
-    per_rank = 8 // world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    for step in range(3):
-        x, y = _batch(step)
-        opt.zero_grad()
-        _mse(model(x[mine]), y[mine]).backward()
-        opt.step()
-        ref.zero_grad()
-        _mse(plain(x), y).backward()
-        ref.step()
+    mine = _train_on_halves(model, opt, plain, ref, rank, world)
     synced = values(model)
     storage.disable_grad_sync()
     model.zero_grad()
