@@ -10,6 +10,14 @@ gradient sync, step):
 * ``flat buckets + AdamW, per-tensor mode``: the same, with ``storage.unflatten()``
   before building the optimizer (AdamW steps the plain model's tensors, whose
   gradients are views of the flat buckets);
+* ``flat buffers by hand + AdamW (floor)``: the floor of the flat mode, with
+  no library: the same bucket layout as flat buffers written by hand (one
+  ``nn.Parameter`` per bucket, the layers' weights given as views of one
+  ``split`` per bucket through ``torch.func.functional_call``, each flat
+  gradient all-reduced by a post-accumulate-grad hook), AdamW over the flat
+  buffers: the memory any flat-buffer implementation at least holds, so that
+  the storage's own memory is ``flat buckets`` minus this row (its time is
+  no floor: each all-reduce blocks in its hook);
 * ``DDP + AdamW fused`` / ``flat buckets + AdamW fused``: both with
   ``AdamW(fused=True)``, which allocates no temporaries (the default AdamW
   on CPU allocates two the size of each tensor it steps, so of each flat
@@ -82,7 +90,8 @@ DDP, FLAT, ZERO1, ZERO2 = (
 ZRO, FSDP = "ZeroRedundancyOptimizer + DDP", "FSDP2 fully_shard"
 PER_TENSOR = "flat buckets + AdamW, per-tensor mode"
 DDP_FUSED, FLAT_FUSED = "DDP + AdamW fused", "flat buckets + AdamW fused"
-CONTENDERS = (DDP, FLAT, PER_TENSOR, DDP_FUSED, FLAT_FUSED, ZERO1, ZERO2, ZRO, FSDP)
+FLOOR = "flat buffers by hand + AdamW (floor)"
+CONTENDERS = (DDP, FLAT, FLOOR, PER_TENSOR, DDP_FUSED, FLAT_FUSED, ZERO1, ZERO2, ZRO, FSDP)
 WORLD = 2
 MIB = 2**20
 
@@ -107,6 +116,53 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------- one rank
+
+
+def _by_hand(model: Any, cap: float) -> Any:
+    """Return ``model`` trained through flat buffers written by hand in the storage's bucket layout.
+
+    The layout comes from the library's pure layout function (it allocates nothing); everything
+    else is plain torch: the layers' own parameters are emptied, every forward splits each flat
+    buffer once and calls the model functionally on the views, and each flat gradient is
+    all-reduced when it is complete.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from flatten_parametrize._install.grouping import bucket_groups, resolve_groups
+
+    named = dict(model.named_parameters())
+    specs = bucket_groups(model, resolve_groups(model, None), cap)
+    buckets = [[slot.name for slot in spec.slots] for spec in specs]
+    shapes = {name: named[name].shape for name in named}
+
+    def all_reduce(flat: torch.Tensor) -> None:
+        assert flat.grad is not None
+        dist.all_reduce(flat.grad)
+        flat.grad.div_(dist.get_world_size())
+
+    class ByHand(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flats = nn.ParameterList(
+                torch.cat([named[name].detach().reshape(-1) for name in names]) for names in buckets
+            )
+            for flat in self.flats:
+                flat.register_post_accumulate_grad_hook(all_reduce)
+            self.inner = (model,)  # not a submodule: parameters() yields the flat buffers only
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            views = {}
+            for names, flat in zip(buckets, self.flats):
+                for name, view in zip(names, flat.split([shapes[n].numel() for n in names])):
+                    views[name] = view.view(shapes[name])
+            return torch.func.functional_call(self.inner[0], views, (x,))
+
+    wrapper = ByHand()
+    for param in named.values():
+        param.data = torch.empty(0)
+    return wrapper
 
 
 def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> None:
@@ -144,6 +200,9 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif contender == FLOOR:
+        model = _by_hand(model, cap)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     else:
         storage = register_flat_storage(model, bucket_cap_mb=cap)
@@ -369,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "ZeRO-2 faster than FSDP2": medians[ZERO2] < medians[FSDP],
         "ZeRO-2 state + grads <= 0.55x DDP": counted_ratio[ZERO2] <= 0.55,
         "flat buckets peak RSS <= 1.00x DDP": peak_ratio[FLAT] <= 1.00,
+        "its floor (flat buffers by hand) peak RSS <= 1.00x DDP": peak_ratio[FLOOR] <= 1.00,
         "flat buckets fused peak RSS <= 1.00x DDP fused": peaks[FLAT_FUSED] <= peaks[DDP_FUSED],
         "per-tensor mode peak RSS <= 1.00x DDP": peak_ratio[PER_TENSOR] <= 1.00,
         "per-tensor mode step <= 1.05x DDP": ratio[PER_TENSOR] <= 1.05,
@@ -379,7 +439,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{config['warmup']} warm-up steps; median over rounds of the slower rank's time per step. "
         "`state + grads`: optimizer state and gradient tensors held after backward on the larger rank "
         "(DDP's bucket copy not counted); `peak RSS`: peak resident set during the timed steps above the "
-        "built model's.",
+        "built model's."
+        + "".join(
+            f" glibc: {key}={os.environ[key]} (from the environment)."
+            for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+            if key in os.environ
+        ),
         f"Targets: {verdicts}"
         + (" (--quick: sizes are tiny, the verdicts mean nothing)" if config["quick"] else "")
         + f". ({time.perf_counter() - start:.0f} s)",

@@ -148,6 +148,7 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
     assert rows == [
         "DDP + AdamW",
         "flat buckets + AdamW",
+        "flat buffers by hand + AdamW (floor)",
         "flat buckets + AdamW, per-tensor mode",
         "DDP + AdamW fused",
         "flat buckets + AdamW fused",
