@@ -34,7 +34,7 @@ from torchao.quantization.qat import (
     QATConfig,
 )
 
-from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Deprecation. TorchAODType is deprecated",
@@ -60,11 +60,11 @@ def mlp(*, frozen: bool = False) -> nn.Sequential:
     return model.requires_grad_(not frozen)
 
 
-def pair(*, frozen: bool = False) -> tuple[nn.Module, nn.Module]:
+def pair(*, frozen: bool = False) -> tuple[nn.Module, nn.Module, FlatStorage]:
+    """The plain MLP and a flattened copy of it, with the copy's storage."""
     plain = mlp(frozen=frozen)
     flat = copy.deepcopy(plain)
-    register_flat_storage(flat)
-    return plain, flat
+    return plain, flat, register_flat_storage(flat)
 
 
 def numel(model: nn.Module) -> int:
@@ -92,9 +92,7 @@ X = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
 @pytest.mark.parametrize("config", list(PTQ))
 def test_quantize_in_flat_mode_gives_the_plain_quantized_model(config: str, frozen: bool):
     """quantize_ on a flattened model: the plain outputs; the weights leave the storage with one warning."""
-    plain, flat = pair(frozen=frozen)
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair(frozen=frozen)
     quantize_(plain, PTQ[config]())
     with pytest.warns(UserWarning, match=RELEASED) as record:
         quantize_(flat, PTQ[config]())
@@ -113,9 +111,7 @@ def test_quantize_in_flat_mode_gives_the_plain_quantized_model(config: str, froz
 @pytest.mark.parametrize("config", list(PTQ))
 def test_quantize_inside_unflattened_gives_the_plain_quantized_model_after_the_block(config: str):
     """The path the flat-mode refusal advises works to the end: no AttributeError from inside torchao."""
-    plain, flat = pair()
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair()
     quantize_(plain, PTQ[config]())
     with pytest.warns(UserWarning, match=RELEASED):
         with storage.unflattened():
@@ -131,9 +127,7 @@ def test_quantize_inside_unflattened_gives_the_plain_quantized_model_after_the_b
 
 def test_remove_flat_storage_inside_unflattened_keeps_the_quantized_weights():
     """Removing the storage after quantizing in unflattened mode gives the plain quantized model."""
-    plain, flat = pair()
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair()
     quantize_(plain, Int8WeightOnlyConfig())
     storage.unflatten()
     quantize_(flat, Int8WeightOnlyConfig())
@@ -157,9 +151,7 @@ def test_a_storage_with_only_quantized_weights_is_removed():
 
 def test_a_quantized_weight_assigned_in_flat_mode_is_refused_with_the_path_that_works():
     """layer.weight = Parameter(quantized) in flat mode names the rule and unflattened(); that path works."""
-    plain, flat = pair(frozen=True)
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair(frozen=True)
     reference = copy.deepcopy(plain)
     quantize_(reference, Int8WeightOnlyConfig())
     quantized = reference[0].weight
@@ -186,9 +178,7 @@ def test_a_quantized_weight_assigned_in_flat_mode_is_refused_with_the_path_that_
 @pytest.mark.parametrize("where", ["flat", "unflattened"])
 def test_qat_prepare_train_convert_gives_the_plain_result(where: str):
     """QATConfig prepare changes owners: same flat parameter, plain count, momentum kept; convert works."""
-    plain, flat = pair()
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair()
     flat_param = storage.flat_params[0]
     opt_plain = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     opt_flat = torch.optim.SGD(flat.parameters(), lr=0.05, momentum=0.9)
@@ -221,9 +211,7 @@ def test_qat_prepare_train_convert_gives_the_plain_result(where: str):
 
 def test_legacy_qat_quantizer_prepare_train_convert_gives_the_plain_result():
     """Int8DynActInt4WeightQATQuantizer in flat mode: same flat parameter, plain training and convert."""
-    plain, flat = pair()
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair()
     flat_param = storage.flat_params[0]
     quantizer = Int8DynActInt4WeightQATQuantizer(groupsize=32)
     quantizer.prepare(plain)
@@ -240,9 +228,7 @@ def test_legacy_qat_quantizer_prepare_train_convert_gives_the_plain_result():
 @pytest.mark.parametrize("where", ["flat", "unflattened"])
 def test_float8_training_conversion_keeps_the_flat_parameter_and_the_plain_results(where: str):
     """convert_to_float8_training: Float8Linear owners of the same slots; forward and training run on CPU."""
-    plain, flat = pair()
-    storage = get_flat_storage(flat)
-    assert storage is not None
+    plain, flat, storage = pair()
     flat_param = storage.flat_params[0]
     convert_to_float8_training(plain)
     if where == "flat":
