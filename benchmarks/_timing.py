@@ -10,6 +10,7 @@ interquartile range relative to the median, a direct view of the noise.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import statistics
@@ -31,6 +32,8 @@ __all__ = [
     "fmt_time",
     "interleave",
     "call_by_call",
+    "call_by_call_arguments",
+    "print_call_by_call",
     "at_least",
     "at_most",
     "ratio",
@@ -161,6 +164,40 @@ def call_by_call(calls: dict[str, Callable[[], object]], turns: int) -> dict[str
             calls[name]()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def call_by_call_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, turns: int
+) -> argparse.Namespace:
+    """Add the options every call-by-call script takes, parse ``argv`` and set torch up for timing.
+
+    The options are ``--turns`` (default ``turns``), ``--threads`` (torch's intra-op threads, default 2)
+    and ``--quick``; denormals are flushed, as in ``python -m benchmarks``.
+    """
+    parser.add_argument("--turns", type=int, default=turns)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    torch.set_flush_denormal(True)
+    return args
+
+
+def print_call_by_call(times: dict[str, list[float]], base: str, ms_digits: int = 1) -> dict[str, float]:
+    """Print the table of :func:`call_by_call`'s ``times``: each median and its two ratios to ``base``.
+
+    Returns:
+        Each contender's median of the per-turn ratios to ``base``.
+    """
+    print(f"| contender | median | / {base} (medians) | / {base} (median of per-turn ratios) |")
+    print("|---|---:|---:|---:|")
+    paired = {}
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        paired[name] = statistics.median(a / b for a, b in zip(samples, times[base]))
+        of_medians = median / statistics.median(times[base])
+        print(f"| {name} | {median * 1e3:.{ms_digits}f} ms | {of_medians:.3f} | {paired[name]:.3f} |")
+    return paired
 
 
 def fmt_time(seconds: float) -> str:

@@ -15,13 +15,12 @@ Run: ``PYTHONPATH=. python -m benchmarks.ab_mixed_precision --model gpt2 --row 1
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 
 from benchmarks import bench_mixed_precision as bench
-from benchmarks._timing import call_by_call
+from benchmarks._timing import call_by_call, call_by_call_arguments, print_call_by_call
 
 ROWS = {"1": bench.STEP1, "4": bench.STEP4, "fb": bench.FWD_BWD}
 
@@ -48,12 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=bench.MODELS, default="gpt2")
     parser.add_argument("--row", choices=sorted(ROWS), default="1")
-    parser.add_argument("--turns", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    args = call_by_call_arguments(parser, argv, turns=30)
     row = ROWS[args.row]
     names = [bench.AUTOCAST, bench.BF16, bench.HAND, bench.POLICY]
     base = bench.BF16 if row == bench.FWD_BWD else bench.AUTOCAST
@@ -67,13 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     times = call_by_call(calls, args.turns)
     print(f"{args.model}, {row}, {args.turns} turns, {args.threads} threads; "
           f"ratios to {base} (lower is faster)")
-    print(f"| contender | median | / {base} (medians) | / {base} (median of per-turn ratios) |")
-    print("|---|---:|---:|---:|")
-    for name in names:
-        median = statistics.median(times[name])
-        paired = statistics.median(a / b for a, b in zip(times[name], times[base]))
-        ratio = median / statistics.median(times[base])
-        print(f"| {name} | {median * 1e3:.2f} ms | {ratio:.3f} | {paired:.3f} |")
+    print_call_by_call(times, base, ms_digits=2)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ Run: ``PYTHONPATH=. python -m benchmarks.ab_per_tensor [--turns 40] [--threads 2
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from benchmarks import bench_transformer as bench
-from benchmarks._timing import call_by_call
+from benchmarks._timing import call_by_call, call_by_call_arguments, print_call_by_call
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -27,12 +26,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         ``{optimizer: {contender: median of the per-turn ratios to plain}}``.
     """
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--turns", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    args = call_by_call_arguments(parser, argv, turns=40)
     batch, tokens, d_model = (2, 8, 32) if args.quick else (8, 32, 128)
     torch.manual_seed(1)
     x, y = torch.randn(batch, tokens, d_model), torch.randn(batch, tokens, d_model)
@@ -40,17 +34,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for label, make in bench.PER_TENSOR_OPTIMIZERS.items():
         contenders = bench._per_tensor_contenders(make, args.quick, x, y)
         times = call_by_call({c.name: c.fn for c in contenders if c.fn is not None}, args.turns)
-        base = times[bench.PLAIN]
         print(f"\n{label}: {args.turns} turns, {args.threads} threads; ratios to plain (lower is faster)")
-        print("| contender | median | / plain (medians) | / plain (median of per-turn ratios) |")
-        print("|---|---:|---:|---:|")
-        out[label] = {}
-        for name, samples in times.items():
-            median = statistics.median(samples)
-            paired = statistics.median(a / b for a, b in zip(samples, base))
-            out[label][name] = paired
-            of_medians = median / statistics.median(base)
-            print(f"| {name} | {median * 1e3:.1f} ms | {of_medians:.3f} | {paired:.3f} |")
+        out[label] = print_call_by_call(times, bench.PLAIN)
     return out
 
 
