@@ -136,6 +136,7 @@ def _by_hand(model: Any, cap: float) -> Any:
     specs = bucket_groups(model, resolve_groups(model, None), cap)
     buckets = [[slot.name for slot in spec.slots] for spec in specs]
     shapes = {name: named[name].shape for name in named}
+    numels = [[shapes[name].numel() for name in names] for names in buckets]
 
     def all_reduce(flat: torch.Tensor) -> None:
         assert flat.grad is not None
@@ -154,8 +155,8 @@ def _by_hand(model: Any, cap: float) -> Any:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             views = {}
-            for names, flat in zip(buckets, self.flats):
-                for name, view in zip(names, flat.split([shapes[n].numel() for n in names])):
+            for names, sizes, flat in zip(buckets, numels, self.flats):
+                for name, view in zip(names, flat.split(sizes)):
                     views[name] = view.view(shapes[name])
             return torch.func.functional_call(self.inner[0], views, (x,))
 
