@@ -5,8 +5,11 @@ A reader copies a block and runs it; so does this test, one test per block, name
 
 * A ```` ```python ```` block runs in this process, in a fresh temporary working
   directory, after the blocks above it on the same page (a page's blocks share one
-  namespace, so a block may continue the one before it; every test replays them from the
-  page's first block, so any block also runs alone, ``-k``).
+  namespace; every test replays them from the page's first block, so any block also runs
+  alone, ``-k``).
+* A reader copies one block, not a page: a block stands alone (it imports and defines every
+  name it uses), unless its first line is a comment that starts with ``# continues`` and
+  says which block it continues (the reader sees that line too).
 * A block whose first line is a comment with ``torchrun --nproc-per-node N`` (say
   ``# torchrun --nproc-per-node 2 sync.py``) is a whole script: it runs on ``N`` processes
   launched with ``python -m torch.distributed.run --nproc-per-node N`` on 127.0.0.1
@@ -30,6 +33,8 @@ marker in the block itself. A broken block fails ``python -m pytest``, hence ``.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -47,6 +52,7 @@ PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if
 LANGUAGES = {"python", "py", "python3"}
 TORCHRUN = re.compile(r"^#.*\btorchrun --nproc-per-node (\d+)\b")
 NOT_RUN = re.compile(r"^# not run: (\S.*)$")
+CONTINUES = re.compile(r"^# continues\b")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,11 @@ class Block:
         """The reason given by a ``# not run: <reason>`` first line, else ``None``."""
         match = NOT_RUN.match(self.first_line)
         return match.group(1) if match else None
+
+    @property
+    def continues(self) -> bool:
+        """Whether the first line says that the block continues another one (``# continues ...``)."""
+        return CONTINUES.match(self.first_line) is not None
 
     def source(self) -> str:
         """The code padded with blank lines, so that tracebacks give the line numbers of the page."""
@@ -152,3 +163,47 @@ def test_code_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Monke
         return
     monkeypatch.chdir(tmp_path)
     _run_in_process(block)
+
+
+def free_names(code: str) -> list[str]:
+    """Return the names that ``code`` reads but neither imports, defines nor gets from builtins."""
+    tree = ast.parse(code)
+    defined: set[str] = {"__name__", "__file__"}
+    read: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            read.append(node.id)
+        elif isinstance(node, ast.Name):
+            defined.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            defined.add(node.name)
+    return sorted({name for name in read if name not in defined and not hasattr(builtins, name)})
+
+
+#: The blocks that run in this process: a reader runs these one at a time.
+IN_PROCESS = [block for block in BLOCKS if block.processes is None and block.not_run is None]
+
+
+@pytest.mark.parametrize("block", IN_PROCESS, ids=[block.where for block in IN_PROCESS])
+def test_code_block_stands_alone_or_says_what_it_continues(block: Block) -> None:
+    """A block uses only names it imports or defines, unless its first line is ``# continues ...``."""
+    if block.continues:
+        return
+    missing = free_names(block.code)
+    assert not missing, (
+        f"{block.where}: the block uses {', '.join(missing)} without defining or importing them, so it fails "
+        "when a reader copies it alone; add the imports and definitions it needs, or make its first line "
+        "'# continues the block above: ...' saying what it takes from there"
+    )
+
+
+def test_free_names_finds_names_from_other_blocks() -> None:
+    """The stand-alone check sees a name defined elsewhere, and none for a self-contained block."""
+    assert free_names("model = nn.Linear(2, 2)\nprint(x)") == ["nn", "x"]
+    assert free_names("import torch\nfrom torch import nn\n\ndef f(a):\n    return nn.Linear(a, a)\n") == []

@@ -177,24 +177,26 @@ def test_a_broken_code_block_fails_the_collector(tmp_path: Path) -> None:
     proc = _run_code_blocks(tmp_path, {"docs/broken.md": BROKEN_PAGE})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "2 failed, 1 passed" in out, out
+    assert "3 failed, 3 passed" in out, out  # the typo also fails the stand-alone check
     assert "NameError: name 'weight' is not defined" in out
+    assert "docs/broken.md:9: the block uses weight without defining or importing them" in out
     assert "docs/broken.md:9: NameError" in out  # the traceback points at the page's line
     assert "docs/broken.md:13: the block failed on 2 processes" in out and "rank 1 fails" in out
 
 
 def test_blocks_continue_on_their_page_and_a_marked_block_is_skipped(tmp_path: Path) -> None:
-    """Blocks of a page share one namespace; a ``# not run: <reason>`` block is skipped, with its reason."""
+    """A ``# continues`` block shares its page's namespace; a ``# not run: <reason>`` block is skipped."""
     pytest.importorskip("markdown_it")
     page = (
-        "# Page\n\n```python\nsize = 3\n```\n\nText.\n\n```python\nassert size == 3\n```\n\n"
+        "# Page\n\n```python\nsize = 3\n```\n\nText.\n\n"
+        "```python\n# continues the block above: size\nassert size == 3\n```\n\n"
         "```python\n# not run: needs a cluster\nraise SystemExit(1)\n```\n\n```bash\nexit 1\n```\n"
     )
     proc = _run_code_blocks(tmp_path, {"docs/page.md": page})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "2 passed, 1 skipped" in out, out
-    assert "docs/page.md:14: not run: needs a cluster" in out
+    assert "5 passed, 1 skipped" in out, out  # 3 blocks run or skipped, 2 stand-alone checks, 1 self-test
+    assert "docs/page.md:15: not run: needs a cluster" in out
 
 
 # --- References to repository files: links (on the site a copy of the file, in a checkout the file).

@@ -64,6 +64,14 @@ def test_torch_is_a_range_for_users_and_pinned_only_for_ci() -> None:
     assert _version(pins[0]) >= floor and _version(torch.__version__) >= floor
 
 
+def test_the_table_has_a_passing_row_for_the_torch_ci_pins() -> None:
+    """The release that CI installs (``constraints/ci.txt``) is a measured row without failures."""
+    pins = re.findall(r"^torch==(\S+)$", (ROOT / "constraints" / "ci.txt").read_text(), re.M)
+    rows = [row for row in _measured_rows() if row[0] == _version(pins[0])]
+    assert rows, f"docs/getting-started.md has no row for torch {pins[0]}, the release CI runs"
+    assert all(re.search(r"\b0 failed\b", tests) for _, _, tests in rows), rows
+
+
 def test_version_runner_needs_a_torch_release() -> None:
     """`.ci/test-torch` without a release prints its usage and fails before building anything."""
     before = sorted(ROOT.glob(".venv-torch-*"))
