@@ -385,7 +385,7 @@ def test_only_init_files_act_when_imported():
     only use is what it does (building ``__all__`` aside); no call of a registering name (``register``,
     ``install``, ``contribute``, ``append``, ``add``, ``update``, ``patch``, ``setattr``, ``when_imported``
     ..., see ``REGISTERING``), even as an assigned value or a decorator; no assignment to an attribute
-    or an item of an imported name (``module_classes.METHODS[name] = f``). Definitions (``TypeVar``,
+    or an item of an imported name (``other.TABLE[name] = f``). Definitions (``TypeVar``,
     ``re.compile``, ``logging.getLogger``, a ``WeakKeyDictionary``) are fine. So what a module does
     when imported never depends on which modules were imported before it: the injected classes' methods
     are listed in ``_install/injected.py`` and assembled by ``_install/__init__.py``.
