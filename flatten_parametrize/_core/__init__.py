@@ -6,4 +6,11 @@ protocol the rest of the library sees of a storage's private core;
 into; ``view_cache`` serves every flattened attribute; ``writes`` lands values
 written around the views; ``decay_check`` warns before the first step of an
 optimizer whose param groups cannot decay like the plain model's.
+
+``flat_parameter.allow_weights_only_loads`` runs here, on import: ``torch.load``
+with ``weights_only=True`` accepts flat parameters wherever the package is loaded.
 """
+
+from .flat_parameter import allow_weights_only_loads
+
+allow_weights_only_loads()

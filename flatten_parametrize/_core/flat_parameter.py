@@ -13,7 +13,7 @@ from .compiling import never_traced
 from .decay_check import watch_optimizers
 from .grad import BASE_GRAD, GradBuffer
 
-__all__ = ["FlatParameter", "serve"]
+__all__ = ["FlatParameter", "allow_weights_only_loads", "serve"]
 
 #: torch's own descriptor of ``Tensor.data``, which the property below extends (``.grad``: ``BASE_GRAD``).
 _BASE_DATA: Any = vars(torch._C.TensorBase)["data"]
@@ -312,11 +312,17 @@ def as_flat_parameter(
 STABLE_MODULE = "flatten_parametrize._flat_parameter"
 rebuild_flat_parameter.__module__ = STABLE_MODULE
 rebuild_flat_parameter.__qualname__ = rebuild_flat_parameter.__name__ = "_rebuild_flat_parameter"
-# ``torch.load(weights_only=True)`` accepts the class and the rebuild function by those paths.
-torch.serialization.add_safe_globals(
-    [
-        (FlatParameter, f"{FlatParameter.__module__}.FlatParameter"),
-        (FlatParameter, f"{STABLE_MODULE}.FlatParameter"),
-        (rebuild_flat_parameter, f"{STABLE_MODULE}._rebuild_flat_parameter"),
-    ]
-)
+
+
+def allow_weights_only_loads() -> None:
+    """Make ``torch.load(weights_only=True)`` accept the class and the rebuild function by those paths.
+
+    ``_core/__init__.py`` calls it when the package is imported.
+    """
+    torch.serialization.add_safe_globals(
+        [
+            (FlatParameter, f"{FlatParameter.__module__}.FlatParameter"),
+            (FlatParameter, f"{STABLE_MODULE}.FlatParameter"),
+            (rebuild_flat_parameter, f"{STABLE_MODULE}._rebuild_flat_parameter"),
+        ]
+    )

@@ -8,15 +8,15 @@ module swaps and released weights laid out again on ``flatten()``
 (``rehost.py``) and the dead-space warning (``dead_space.py``).
 Uses ``_core`` and ``_state``.
 
-``pickling`` and ``copying`` contribute the injected classes' ``__reduce_ex__``
-and ``__deepcopy__`` when imported (see ``module_classes.contribute``), and
-``relayout`` their ``get_parameter``, ``__setattr__`` and framework model
-operations, so they are imported here, before any class is made.
+The methods of the injected classes and the steps of ``flatten()`` are listed
+in one place, ``injected.py``, which imports the modules that define them;
+:func:`.injected.assemble`, called here and nowhere else, hands them to
+``module_classes`` and the coordinator and registers the dead-space hook. No
+module of this sub-package registers anything when it is imported.
 """
 
-from . import copying, dead_space, pickling, rehost, relayout
+from . import injected
 
-# Dead space left by a submodule replaced after registration is said at the assignment (dead_space.py).
-dead_space.install()
+injected.assemble()
 
-__all__ = ["copying", "dead_space", "pickling", "rehost", "relayout"]
+__all__ = ["injected"]

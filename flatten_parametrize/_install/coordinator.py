@@ -47,7 +47,7 @@ from .._state.state_dict import layout_record
 from . import surgery
 from .per_tensor import PerTensorGrads
 
-__all__ = ["FlatTensors", "StorageCore"]
+__all__ = ["FlatTensors", "FlattenStep", "StorageCore", "use_flatten_steps"]
 
 #: One tensor per group: a list in group order, a dict by group name, or (for a
 #: storage with one group) a single tensor.
@@ -55,9 +55,19 @@ FlatTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 
 F = TypeVar("F")
 
-#: Run by the user's ``flatten()`` in unflattened mode before it flattens as usual; one that returns
-#: ``True`` flattened by laying the groups out again (``rehost.py`` adds its step when imported).
-ON_FLATTEN: list[Callable[[StorageCore], bool]] = []
+#: A step of the user's ``flatten()`` in unflattened mode, run before it flattens as usual: ``True``
+#: when it flattened the core itself (by laying the groups out again).
+FlattenStep = Callable[["StorageCore"], bool]
+
+#: The steps :meth:`StorageCore.flatten` runs, set by :func:`use_flatten_steps` (``injected.assemble``:
+#: ``rehost.flatten_changed``).
+_flatten_steps: tuple[FlattenStep, ...] = ()
+
+
+def use_flatten_steps(steps: tuple[FlattenStep, ...]) -> None:
+    """Make the user's ``flatten()`` run ``steps`` (``injected.assemble`` calls it once)."""
+    global _flatten_steps
+    _flatten_steps = steps
 
 
 class StorageCore:
@@ -353,11 +363,11 @@ class StorageCore:
             relayout: the user's ``flatten()`` (and the end of ``unflattened()``):
                 module swaps, weights that left the storage and dead space of
                 unflattened mode lay the groups out again first (``rehost.py``,
-                through :data:`ON_FLATTEN`); this core is then replaced
+                one of the steps of :func:`use_flatten_steps`); this core is then replaced
                 (:meth:`current`). The library's own switches keep the core.
         """
         if not self._flattened:
-            if relayout and any(step(self) for step in ON_FLATTEN):
+            if relayout and any(step(self) for step in _flatten_steps):
                 return
             atomically(self.flatten_in)
             # The leaf parameters of unflattened mode have version counters of their own: their

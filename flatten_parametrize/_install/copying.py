@@ -1,6 +1,6 @@
 """Deep copy of a flattened model: ``copy.deepcopy(model)`` gives an independent flattened model.
 
-The injected classes' ``__deepcopy__`` (contributed here) copies the module as
+The injected classes' ``__deepcopy__`` (:func:`deepcopy_module`) copies the module as
 torch would, then gives the copy a class of its own (changing one copy's class
 never changes the other's). For the registered module, a new
 :class:`~.coordinator.StorageCore` is put into the memo before the module's
@@ -24,13 +24,14 @@ from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import atomically
 from .coordinator import StorageCore
-from .module_classes import base_of, clone_class, contribute, is_shared
+from .module_classes import base_of, clone_class, is_shared
 from .pickling import copy_alone
 
-__all__: list[str] = []
+__all__ = ["deepcopy_module"]
 
 
-def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+def deepcopy_module(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """The injected classes' ``__deepcopy__`` (listed in ``injected.py``)."""
     found = memo.get(id(self))
     if found is not None:
         return found
@@ -102,6 +103,3 @@ def _fill(new: StorageCore, old: StorageCore, root: nn.Module, memo: dict[int, A
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=param.dtype, device=param.device), param.requires_grad)
-
-
-contribute("__deepcopy__", _deepcopy)

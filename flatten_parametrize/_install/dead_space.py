@@ -28,10 +28,10 @@ from .._core.caller import caller_level
 from .._core.names import library_state
 from .._core.records import Coordinator, Slot
 from . import surgery
-from .module_classes import METHODS, contribute
+from .module_classes import delete_attribute
 from .relayout import held_names
 
-__all__ = ["install", "newly_dead"]
+__all__ = ["delete_saying_dead_space", "install", "newly_dead"]
 
 _installed: list[Any] = []
 
@@ -42,15 +42,15 @@ def install() -> None:
         _installed.append(nn.modules.module.register_module_module_registration_hook(_on_module_set))
 
 
-def _delattr(self: nn.Module, name: str) -> None:
-    """``del module.child`` on a module the library changed: said as an assignment of ``None``."""
+def delete_saying_dead_space(self: nn.Module, name: str) -> None:
+    """The injected classes' ``__delattr__`` (listed in ``injected.py``).
+
+    ``del module.child`` on a module the library changed is said as an
+    assignment of ``None``; then :func:`.module_classes.delete_attribute`.
+    """
     if name in self.__dict__.get("_modules", ()):
         _on_module_set(self, name, None)
-    _DELATTR(self, name)
-
-
-_DELATTR = METHODS["__delattr__"]
-contribute("__delattr__", _delattr)
+    delete_attribute(self, name)
 
 
 def _on_module_set(parent: nn.Module, name: str, new: nn.Module | None) -> None:

@@ -6,11 +6,19 @@ the same ``__name__``, holding one property per flattened attribute and the
 few ``nn.Module`` methods that must know about the flat storage (state-dict
 save/load, ``_apply``, ``__deepcopy__``). All of them read the module's own
 :class:`ModuleState`, so a class shared by two modules would still behave.
+
+The methods defined here are those of the state-dict and conversion paths; the
+whole set, these and those of the modules that own the other lifecycles
+(pickling, deep copy, model operations, the dead-space warning), is listed in
+one table, :data:`.injected.METHODS`, which ``injected.assemble`` hands to
+:func:`use_methods` before any class is made.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import Tensor, nn
@@ -25,7 +33,24 @@ from .._core.records import ModuleState
 from .._core.writes import check_flat_replacement, land_parameter
 from .._state.state_dict import alias_unflattened, load_atomically, load_module, save_module
 
-__all__ = ["METHODS", "add_property", "base_of", "clone_class", "contribute", "is_shared", "make_class"]
+__all__ = [
+    "Methods",
+    "add_property",
+    "apply_in_flat_mode",
+    "base_of",
+    "clone_class",
+    "delete_attribute",
+    "is_shared",
+    "library_names",
+    "load_from_state_dict",
+    "load_state_dict",
+    "make_class",
+    "prepare_scriptable",
+    "register_parameter",
+    "save_to_state_dict",
+    "state_dict",
+    "use_methods",
+]
 
 _MARKER = "_flat_parametrize_class"
 #: Marks a class that :func:`make_class` shares between the registered modules of one class.
@@ -54,11 +79,12 @@ def _state(module: nn.Module) -> ModuleState | None:
     return module.__dict__.get(MODULE_STATE_ATTR)
 
 
-def _save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
+def save_to_state_dict(self: nn.Module, destination: Any, prefix: str, keep_vars: bool) -> None:
+    """Save this module's entries under the plain model's names (``_state/state_dict.save_module``)."""
     save_module(self, _state(self), _super(self)._save_to_state_dict, destination, prefix, keep_vars)
 
 
-def _load_from_state_dict(
+def load_from_state_dict(
     self: nn.Module,
     state_dict: dict[str, Any],
     prefix: str,
@@ -68,6 +94,7 @@ def _load_from_state_dict(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    """Load this module's entries by the plain model's names (``_state/state_dict.load_module``)."""
     load_module(
         self,
         _state(self),
@@ -83,6 +110,7 @@ def _load_from_state_dict(
 
 
 def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Return torch's state dict; in unflattened mode each flattened entry gets a storage of its own."""
     result = _super(self).state_dict(*args, **kwargs)
     storage = registered_storage(self)
     keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
@@ -94,6 +122,7 @@ def state_dict(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def load_state_dict(self: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    """Load a state dict all or nothing (``_state/state_dict.load_atomically``) on a registered module."""
     core = registered_storage(self)
     base = _super(self).load_state_dict
     if core is None:
@@ -135,7 +164,8 @@ def register_parameter(self: nn.Module, name: str, param: Any) -> None:
     return base(name, param)
 
 
-def _delattr(self: nn.Module, name: str) -> None:
+def delete_attribute(self: nn.Module, name: str) -> None:
+    """Delete attribute ``name``; deleting a flat parameter in flat mode is refused."""
     storage = registered_storage(self)
     if storage is not None and storage.is_flattened and any(g.flat_name == name for g in storage.groups()):
         raise RuntimeError(
@@ -146,7 +176,7 @@ def _delattr(self: nn.Module, name: str) -> None:
     _super(self).__delattr__(name)
 
 
-def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
+def apply_in_flat_mode(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
     """Run ``_apply`` (``.to()``, ``.half()``, ...) in flat mode, then re-adopt the flat parameters."""
     core = registered_storage(self)
     base = _super(self)._apply
@@ -169,7 +199,8 @@ def _apply(self: nn.Module, fn: Callable[..., Any], recurse: bool = True) -> nn.
             core.adopt_flat_params()
 
 
-def _prepare_scriptable(self: nn.Module) -> nn.Module:
+def prepare_scriptable(self: nn.Module) -> nn.Module:
+    """Let ``torch.jit.script`` compile the module in unflattened mode only."""
     state = _state(self)
     if state is None or not state.storage.is_flattened:
         return self  # unflattened mode: the attributes are the module's own parameters
@@ -182,39 +213,44 @@ def _prepare_scriptable(self: nn.Module) -> nn.Module:
     )
 
 
-METHODS: dict[str, Any] = {
-    _MARKER: True,
-    "_save_to_state_dict": _save_to_state_dict,
-    "state_dict": state_dict,
-    "_load_from_state_dict": _load_from_state_dict,
-    "load_state_dict": load_state_dict,
-    "register_parameter": register_parameter,
-    "__delattr__": _delattr,
-    "_apply": _apply,
-    "__prepare_scriptable__": _prepare_scriptable,
-}
-
 _SKIP = ("__dict__", "__weakref__")
 
 
-#: Methods added to a new class only where its original class has an attribute of that name
-#: (a framework's model operation, e.g. transformers' ``resize_token_embeddings``: ``relayout.py``).
-WHERE_DEFINED: dict[str, Any] = {}
+@dataclass(frozen=True)
+class Methods:
+    """The methods every injected class gets, by attribute name (listed in ``injected.py``).
 
-
-def contribute(name: str, method: Callable[..., Any], *, where_defined: bool = False) -> None:
-    """Add ``method`` to every class made from now on, as attribute ``name``.
-
-    With ``where_defined``, only to the classes whose original class has an
-    attribute ``name`` (so that ``hasattr`` answers as for the plain module).
-
-    The modules that own a lifecycle of the injected classes contribute their
-    method here when they are imported (``pickling.py``: ``__reduce_ex__``;
-    ``copying.py``: ``__deepcopy__``): they need the registration machinery
-    themselves, so this module cannot import them. ``_install/__init__.py``
-    imports both, so no class is made without them.
+    Attributes:
+        always: added to every class.
+        where_defined: added only where the original class has an attribute
+            of that name (a framework's model operation, e.g. transformers'
+            ``resize_token_embeddings``), so that ``hasattr`` answers as for
+            the plain module.
     """
-    (WHERE_DEFINED if where_defined else METHODS)[name] = method
+
+    always: Mapping[str, Callable[..., Any]]
+    where_defined: Mapping[str, Callable[..., Any]]
+
+
+#: The methods :func:`make_class` gives, set by :func:`use_methods` (``injected.assemble``).
+_methods: Methods | None = None
+
+
+def use_methods(methods: Methods) -> None:
+    """Make every class from now on with ``methods`` (``injected.assemble`` calls it once)."""
+    global _methods
+    _methods = methods
+
+
+def _assembled() -> Methods:
+    assert _methods is not None, "no injected class is made before _install/injected.assemble() has run"
+    return _methods
+
+
+def library_names() -> frozenset[str]:
+    """Return the names of the attributes every injected class may get besides its properties."""
+    methods = _assembled()
+    return frozenset((_MARKER, *methods.always, *methods.where_defined))
 
 
 def make_class(module: nn.Module, *, shared: bool = False) -> type:
@@ -257,8 +293,10 @@ def _new_class(module: nn.Module) -> type:
     else:
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         bases = (cls,)
-    namespace.update(METHODS)
-    namespace.update({k: v for k, v in WHERE_DEFINED.items() if hasattr(cls, k)})
+    methods = _assembled()
+    namespace[_MARKER] = True
+    namespace.update(methods.always)
+    namespace.update({k: v for k, v in methods.where_defined.items() if hasattr(cls, k)})
     return type(cls.__name__, bases, namespace)
 
 

@@ -38,10 +38,9 @@ from .._core.parametrize_interop import FlatViewList, HiddenParametrizations
 from .._core.records import Coordinator, ModuleState, Slot
 from .coordinator import StorageCore
 from .lifecycle import install_storage
-from .module_classes import contribute
 from .surgery import locate
 
-__all__ = ["StorageRecord", "copy_alone", "reduce_flattened"]
+__all__ = ["StorageRecord", "copy_alone", "reduce_ex", "reduce_flattened"]
 
 _PACKAGE = __name__.split(".")[0]
 _NEWOBJ = getattr(copyreg, "__newobj__")  # noqa: B009 (missing from the type stubs)
@@ -298,11 +297,9 @@ def _restore(root: nn.Module, state: tuple[dict[str, Any], StorageRecord]) -> No
         core.unflatten()
 
 
-def _reduce_ex(self: nn.Module, proto: Any) -> Any:
+def reduce_ex(self: nn.Module, proto: Any) -> Any:
+    """The injected classes' ``__reduce_ex__`` (listed in ``injected.py``): :func:`reduce_flattened`."""
     return reduce_flattened(self, proto)
-
-
-contribute("__reduce_ex__", _reduce_ex)
 
 
 def copy_alone(module: nn.Module, memo: dict[int, Any]) -> nn.Module:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .._core.fit import misfit
 from . import surgery
-from .coordinator import ON_FLATTEN, StorageCore
+from .coordinator import StorageCore
 from .relayout import held_names, relayout_flat
 
 __all__ = ["changes", "flatten_changed"]
@@ -73,6 +73,3 @@ def flatten_changed(core: StorageCore) -> bool:
         return False
     relayout_flat(core, "flatten()")
     return True
-
-
-ON_FLATTEN.append(flatten_changed)

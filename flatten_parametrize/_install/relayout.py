@@ -12,7 +12,7 @@ layout has no dead space (``num_parameters()`` is the plain model's); the
 ``FlatParameter`` objects (holding the new buffers and layouts), the
 ``FlatStorage`` the user holds and the mode (flat or unflattened) stay.
 
-What the injected classes get from here (``module_classes.contribute``):
+What the injected classes get from here (listed in ``injected.py``):
 
 * ``get_parameter``: a flattened name gives what the attribute serves (the
   slot's view, in flat mode), not an ``AttributeError``; transformers'
@@ -52,7 +52,7 @@ from . import surgery
 from .coordinator import StorageCore
 from .grouping import resolve_groups
 from .lifecycle import build_storage, remove_in, remove_storage
-from .module_classes import base_of, contribute
+from .module_classes import base_of
 
 __all__ = [
     "get_parameter",
@@ -61,6 +61,7 @@ __all__ = [
     "relayout",
     "relayout_flat",
     "resize_token_embeddings",
+    "set_attribute",
     "slot_names",
 ]
 
@@ -328,7 +329,8 @@ def get_parameter(self: nn.Module, target: str) -> Any:
     return base.get_parameter(self, target)
 
 
-def _setattr(self: nn.Module, name: str, value: Any) -> None:
+def set_attribute(self: nn.Module, name: str, value: Any) -> None:
+    """Set attribute ``name``; a tensor for a flattened name may change ties (:func:`reassign`)."""
     if isinstance(value, Tensor):  # anything else (flags, modules) goes straight to nn.Module
         state = self.__dict__.get(MODULE_STATE_ATTR)
         if state is not None and name in state.slots and reassign(self, state, name, value):
@@ -420,8 +422,3 @@ def _slot_holding(core: StorageCore, value: Tensor) -> Slot | None:
             if value is served:
                 return slot
     return None
-
-
-contribute("get_parameter", get_parameter)
-contribute("__setattr__", _setattr)
-contribute("resize_token_embeddings", resize_token_embeddings, where_defined=True)

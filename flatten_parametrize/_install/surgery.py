@@ -28,7 +28,7 @@ from .._core.parametrize_interop import HiddenParametrizations, register_view
 from .._core.records import Coordinator, Group, ModuleState, Slot
 from .._core.transaction import Transaction
 from .._core.view_cache import end_trace_split, same_memory, trace_split
-from .module_classes import METHODS, WHERE_DEFINED, add_property, make_class
+from .module_classes import add_property, library_names, make_class
 
 __all__ = [
     "flatten_module",
@@ -322,11 +322,8 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
     if isinstance(container, HiddenParametrizations):
         if len(container):
             # Another parametrization was registered after ours: keep its property.
-            namespace = {
-                k: v
-                for k, v in type(owner).__dict__.items()
-                if k not in ("__dict__", "__weakref__", *state.slots, *METHODS, *WHERE_DEFINED)
-            }
+            dropped = {"__dict__", "__weakref__", *state.slots, *library_names()}
+            namespace = {k: v for k, v in type(owner).__dict__.items() if k not in dropped}
             tx.set_attr(owner, "__class__", type(state.prev_class.__name__, (state.prev_class,), namespace))
             return
         owner.__dict__.pop("parametrizations", None)

@@ -5,19 +5,29 @@
 - no private name imported across sub-packages;
 - features meet only on ``_core``'s seams: none imports another's modules, none imports a private name;
 - no mixins, and no module but the coordinator's own reads its private attributes;
+- only ``__init__.py`` files act when imported: no other module registers, installs or patches anything;
 - the public surface of ``FlatStorage`` and ``ShardedOptimizer`` is exactly the product contract's.
 
-The checker runs on a synthetic package too (``test_the_checker_reports_every_kind_of_violation``), so
-these tests cannot pass by checking nothing.
+The checkers run on synthetic packages too (``test_the_checker_reports_every_kind_of_violation``,
+``test_the_import_time_checker_reports_every_kind_of_action``), so these tests cannot pass by checking
+nothing; and the package imported module by module in reverse order, its ``__init__`` files last, gives
+the same injected classes and keeps its guarantees
+(``test_the_injected_classes_and_guarantees_do_not_depend_on_the_import_order``).
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -191,6 +201,91 @@ def feature_crossings(found: list[Import], features: dict[str, set[str]]) -> lis
     return sorted(bad)
 
 
+#: A call of one of these (the called name, leading underscores dropped) registers, installs or patches.
+REGISTERING = re.compile(
+    r"(register|install|contribute|append|extend|insert|add|update|setdefault|patch|setattr|delattr"
+    r"|when_imported)(_|$)"
+)
+
+
+def _called_name(func: ast.expr) -> str:
+    """``f`` for ``f(...)``, ``a.b.f(...)`` and ``a.f(...)(...)``."""
+    while isinstance(func, ast.Call):
+        func = func.func
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+def _root_name(target: ast.expr) -> str | None:
+    """``a`` for ``a.b[c].d``; ``None`` for a plain name (or anything not an attribute or item)."""
+    if not isinstance(target, (ast.Attribute, ast.Subscript)):
+        return None
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        target = target.value
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _import_time(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run when a module is imported: the module's, those of its classes' bodies and of
+    its ``if``/``try``/``with`` blocks and loops (not ``if __name__ == "__main__":``); a function's own
+    statement stands for its decorators."""
+    for stmt in body:
+        if isinstance(stmt, ast.If) and "__main__" in ast.unparse(stmt.test):
+            continue
+        if isinstance(stmt, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
+            for field in ("body", "orelse", "finalbody"):
+                yield from _import_time(getattr(stmt, field, []))
+            for handler in getattr(stmt, "handlers", []):
+                yield from _import_time(handler.body)
+        else:
+            yield stmt
+            if isinstance(stmt, ast.ClassDef):  # a class body runs at import
+                yield from _import_time(stmt.body)
+
+
+def import_time_actions(modules: dict[str, Path]) -> list[tuple[str, int, str]]:
+    """Return ``(module, line, code)`` for each statement that acts when a module other than a package's
+    ``__init__`` is imported (the rules: ``test_only_init_files_act_when_imported``)."""
+    found = []
+    for module, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        statements = list(_import_time(ast.parse(path.read_text()).body))
+        imported = {
+            (alias.asname or alias.name).split(".")[0]
+            for stmt in statements
+            if isinstance(stmt, (ast.Import, ast.ImportFrom))
+            for alias in stmt.names
+        }
+        for stmt in statements:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                run: list[ast.AST] = list(stmt.decorator_list)
+                registering = any(REGISTERING.match(_called_name(d).lstrip("_")) for d in run)
+            else:
+                run = [stmt]
+                targets = [
+                    t
+                    for node in ast.walk(stmt)
+                    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                ]
+                registering = (
+                    isinstance(stmt, ast.Expr)
+                    and isinstance(stmt.value, ast.Call)
+                    and _root_name(stmt.value.func) != "__all__"
+                ) or any(_root_name(t) in imported for t in targets)
+            calls = [
+                n
+                for expr in run
+                for n in ast.walk(expr)
+                if isinstance(n, ast.Call) and _root_name(n.func) != "__all__"  # building __all__
+            ]
+            if registering or any(REGISTERING.match(_called_name(c).lstrip("_")) for c in calls):
+                found.append((module, stmt.lineno, ast.unparse(stmt).splitlines()[0]))
+    return found
+
+
 MODULES, IMPORTS = imports(PACKAGE)
 
 #: The features composed on the coordinator, with the modules that only each of them uses. They reach the
@@ -275,6 +370,34 @@ def test_no_module_reads_private_attributes_of_the_coordinator():
     assert reads == [], f"private reads of the coordinator: {reads}"
 
 
+#: Import-time calls outside ``__init__.py`` files that the rule below lets stand: ``(module, code)`` -> why.
+IMPORT_TIME_ALLOWED = {
+    ("_core.view_cache", "never_compiled(trace_split)"): "marks its own function, as a decorator would",
+    ("_core.view_cache", "never_compiled(end_trace_split)"): "marks its own function, as a decorator would",
+}
+
+
+def test_only_init_files_act_when_imported():
+    """No module but a package's ``__init__.py`` acts when imported; each ``__init__`` wires its package.
+
+    The rule, for every statement that runs at import (a module's top level, class bodies, decorators,
+    ``if``/``try``/``with`` blocks; not ``if __name__ == "__main__":``): no bare call statement, whose
+    only use is what it does (building ``__all__`` aside); no call of a registering name (``register``,
+    ``install``, ``contribute``, ``append``, ``add``, ``update``, ``patch``, ``setattr``, ``when_imported``
+    ..., see ``REGISTERING``), even as an assigned value or a decorator; no assignment to an attribute
+    or an item of an imported name (``other.TABLE[name] = f``). Definitions (``TypeVar``,
+    ``re.compile``, ``logging.getLogger``, a ``WeakKeyDictionary``) are fine. So what a module does
+    when imported never depends on which modules were imported before it: the injected classes' methods
+    are listed in ``_install/injected.py`` and assembled by ``_install/__init__.py``.
+    """
+    actions = [
+        f"{module}:{line}: {code}"
+        for module, line, code in import_time_actions(MODULES)
+        if (module, code) not in IMPORT_TIME_ALLOWED
+    ]
+    assert actions == [], f"modules that act when imported (move the call into an __init__.py): {actions}"
+
+
 # The product contract's "Public surface": a new public name is a deliberate edit of these lists
 # (and of the contract), never a side effect.
 FLAT_STORAGE_PUBLIC = {
@@ -352,3 +475,88 @@ def test_the_checker_reports_every_kind_of_violation(tmp_path):
     assert private_imports(modules, found) == ["_install.b -> _core.x._private", "_top -> _install.b._helper"]
     features = {"b": {"_install.b"}, "x": {"_core.x"}, "deep": {"_state.nested.deep"}}
     assert feature_crossings(found, features) == ["_install.b -> _core.x", "_install.b -> _core.x._private"]
+
+
+ACTING = {
+    "__init__.py": "from . import b\nb.install()\n",  # an __init__ may act
+    "a.py": (
+        "import re\n"
+        "from typing import TypeVar\n"
+        "from . import b\n"
+        "T = TypeVar('T')\n"  # a definition
+        "PATTERN = re.compile('x')\n"  # a definition
+        "__all__ = ['f']\n"
+        "__all__.append('g')\n"  # building __all__
+        "b.TABLE['f'] = print\n"  # an item of an imported name
+        "b.install()\n"  # a bare call
+        "HANDLE = b.register_hook(print)\n"  # a registering call, assigned
+        "try:\n"
+        "    import c\n"
+        "except ImportError:\n"
+        "    c = None\n"
+        "else:\n"
+        "    c.value = 1\n"  # an attribute of an imported name, in a try's else
+        "@b.contribute('f')\n"  # a registering decorator (said at the def's line)
+        "def f():\n"
+        "    b.install()\n"  # runs when called, not at import
+        "class K:\n"
+        "    b.ITEMS.append(1)\n"  # a class body runs at import
+        "    f.attr = 1\n"  # an attribute of this module's own function
+        "if __name__ == '__main__':\n"
+        "    f()\n"
+    ),
+    "b.py": "TABLE = {}\nITEMS = []\ndef install(): pass\ndef register_hook(f): return f\n"
+    "def contribute(name): return lambda f: f\n",
+}
+
+
+def test_the_import_time_checker_reports_every_kind_of_action(tmp_path):
+    """On a synthetic package the import-time checker reports each planted action, and only those."""
+    for relative, text in ACTING.items():
+        (tmp_path / "actpkg" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "actpkg" / relative).write_text(text)
+    assert import_time_actions(module_files(tmp_path / "actpkg")) == [
+        ("a", 8, "b.TABLE['f'] = print"),
+        ("a", 9, "b.install()"),
+        ("a", 10, "HANDLE = b.register_hook(print)"),
+        ("a", 16, "c.value = 1"),
+        ("a", 18, "@b.contribute('f')"),
+        ("a", 21, "b.ITEMS.append(1)"),
+    ]
+
+
+@pytest.mark.slow
+def test_the_injected_classes_and_guarantees_do_not_depend_on_the_import_order(tmp_path):
+    """The package imported module by module in reverse order, ``__init__`` files last (a fresh interpreter),
+    gives its injected classes the same methods as ``import flatten_parametrize`` and keeps its pickling,
+    copying, assignment, dead-space and relayout guarantees."""
+    repo = Path(__file__).parents[2]
+    guarantees = [
+        "tests/guarantees/test_serialization.py",
+        "tests/guarantees/test_errors_assignment.py",
+        "tests/unit/install/test_dead_space.py",
+        "tests/unit/install/test_rehost.py",
+        "tests/unit/install/test_relayout.py::test_get_parameter_gives_the_view_that_the_attribute_serves",
+        "tests/unit/install/test_relayout.py::test_assigning_another_slots_view_ties_as_the_plain_model",
+    ]
+    path = [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    found = {}
+    for order, args in (("normal", []), ("reversed", ["-q", "-p", "no:cacheprovider", *guarantees])):
+        out = tmp_path / f"{order}.json"
+        run = subprocess.run(
+            [sys.executable, str(repo / "tests" / "_import_order.py"), order, str(out), *args],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, f"{order} order:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+        assert order == "normal" or " passed" in run.stdout, run.stdout[-4000:]  # the guarantees ran
+        found[order] = json.loads(out.read_text())
+    assert found["reversed"] == found["normal"]
+    assert found["normal"]["a module with a model operation"]["resize_token_embeddings"].endswith(
+        "relayout.resize_token_embeddings"
+    )
+    assert "resize_token_embeddings" not in found["normal"]["a module with slots"]
