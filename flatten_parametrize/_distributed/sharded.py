@@ -59,7 +59,7 @@ from .sharded_args import ALLOWED_OPTIMIZERS, check_class, check_same_layout, hy
 from .sharded_collectives import Collectives
 from .sharded_local import LocalStep
 from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
-from .sharded_partition import SliceOwnership
+from .sharded_partition import Partition, SliceOwnership
 from .sharded_reducer import Reducer, ready_hook
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: The process group and every collective over it.
         self._comm = Collectives(pg, world)
         #: Who owns which slice: this rank's slices, in core order (the order collectives start in).
-        self._ownership = SliceOwnership(world, self._comm.rank)
+        self._ownership: Partition = SliceOwnership(world, self._comm.rank)
         #: The gradient path during backward.
         self._reducer = Reducer(core, self._ownership, self._comm, self._shard_gradients)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
@@ -460,6 +460,9 @@ def init_state(opt: ShardedOptimizer) -> None:
     What ``torch.distributed.checkpoint`` does to a fresh optimizer before it
     loads one (``_init_optim_state``; ``dcp.py`` calls this instead); a no-op
     once there is state or a slice has a gradient.
+
+    Args:
+        opt: the optimizer whose state to create.
     """
     if opt._local.init_state():
         opt._link_state()

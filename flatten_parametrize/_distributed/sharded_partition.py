@@ -8,7 +8,10 @@ parameter, the :class:`Shard` with each rank's element range and this rank's
 parameter for the inner optimizer. :class:`SliceOwnership` is the rule of
 ZeRO-1/2: rank ``r`` owns the ``r``-th of ``W`` equal contiguous slices of
 every flat parameter. Another rule (e.g. whole tensors per rank) is another
-implementation of :class:`Partition`.
+implementation of :class:`Partition`; what its shards must still give: the
+by-owner collectives need only each rank's range (``Shard.bounds``), while
+the one-buffer collectives (NCCL) and the per-rank state format also assume
+equal slices of ``Shard.chunk`` elements.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ __all__ = ["Partition", "SliceOwnership"]
 
 
 class Partition(Protocol):
-    """What the rest of ``ShardedOptimizer`` reads of its ownership rule."""
+    """An ownership rule.
+
+    ``sharded.py`` builds it and calls all of it; the collectives, the
+    reducer, the local step and the state conversion read only ``world``,
+    ``rank``, ``shards``, ``shard_of`` and ``index_of``.
+    """
 
     #: The number of ranks the flat parameters are cut over.
     world: int
@@ -42,6 +50,20 @@ class Partition(Protocol):
 
     def index_of(self, flat: Tensor) -> int | None:
         """Return the position of ``flat``'s shard in :attr:`shards` (``None``: not sharded here)."""
+        ...
+
+    def add(self, flat_params: Sequence[Tensor], flats: Sequence[Tensor]) -> list[Tensor]:
+        """Shard the trainable flat parameters of ``flats``; return the inner optimizer's parameters."""
+        ...
+
+    def bind(self) -> None:
+        """Point every shard at its flat buffer's current memory."""
+        ...
+
+    def follow(
+        self, flats: Sequence[Tensor], names: Sequence[str], strict: bool
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Follow replaced or moved flat parameters; return the ``(old, new)`` replaced."""
         ...
 
 
