@@ -288,7 +288,7 @@ def _collectives_rank(rank: int, world: int, port: int, numel: int, rounds: int,
     import torch
     import torch.distributed as dist
 
-    from flatten_parametrize._distributed.shard import all_gather, reduce_scatter
+    from flatten_parametrize._distributed.sharded_collectives import all_gather, reduce_scatter
 
     torch.set_num_threads(1)
     join_gloo(rank, world, port, 300)

@@ -57,7 +57,7 @@ from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
 from .._core.on_import import when_imported
 from .._state.attach_optim import own_format
-from .sharded import ShardedOptimizer
+from .sharded import ShardedOptimizer, init_state
 
 __all__ = ["install"]
 
@@ -360,7 +360,7 @@ def _verify_options(original: Callable[..., Any], dsd: ModuleType) -> Callable[.
 def _init_optim_state(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
     def wrapper(optim: Any) -> None:
         if isinstance(optim, ShardedOptimizer):
-            optim._init_state()
+            init_state(optim)
             return
         original(optim)
 

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Shard", "all_gather", "copy_value", "elementwise", "reduce_scatter"]
-
-#: The one-buffer collectives (newer torch names them ``*_single``).
-all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter: Callable[..., Any] = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+__all__ = ["Shard", "copy_value", "elementwise"]
 
 
 def elementwise(value: Any) -> bool:

@@ -22,26 +22,26 @@ Per training step:
 * ``step()``: the inner optimizer updates this rank's slices, then every
   slice is copied from its owner into every rank's flat buffer.
 
-The optimizer reaches its storage only through the core's seams (see
-``_core/features.py``): a ``_Member`` feature follows replaced flat
-parameters (``on_rebacked``) and leaves with the optimizer or the storage; it
-is the flat-gradient hook of each group it slices (ZeRO-2 releases full
-gradients, so the buffers keep no memory for them); each group's sync claim
-keeps a second optimizer and the storage's grad sync off its gradients.
+This module is the ``torch.optim.Optimizer`` API and the wiring; each concern
+is an object in its own module, which the others reach only through it:
 
-Collectives per backend, measured on gloo (``benchmarks/bench_zero.py
---collectives``, 25 MiB bucket, 2 and 3 ranks): a broadcast from each owner
-gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
-2.1-2.8x faster than an all-reduce of a zero-padded buffer; a reduce to each
-owner reduces gradients 1.8-3.9x faster than ``reduce_scatter_tensor``. NCCL
-has in-place ``all_gather`` / ``reduce_scatter`` over one padded buffer, which
-is what it is built for.
+* ``sharded_partition.py``: who owns which slice (``SliceOwnership``, behind
+  the ``Partition`` protocol; ``shard.py``: one rank's slice of one flat
+  parameter);
+* ``sharded_collectives.py``: every collective over the process group;
+* ``sharded_reducer.py``: the gradient path during backward (hooks, buckets,
+  the engine callback);
+* ``sharded_local.py``: the inner optimizer over the slices (step, state
+  creation, gradient clipping);
+* ``sharded_state.py``: the state-dict conversion, which reads a
+  ``StateView`` of the parts above;
+* ``sharded_member.py``: the optimizer's feature on the core (lifecycle,
+  flat-gradient hook, sync claim);
+* ``sharded_args.py``: the argument checks.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -50,19 +50,22 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils.hooks import RemovableHandle
 
-from .._core.grad import GradBuffer, check_sync, claim_sync
+from .._core.grad import check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
-from .engine import checked_process_group, current_node, graph_task_id, queue_callback
-from .shard import Shard, all_gather, reduce_scatter
-from .sharded_args import ALLOWED_OPTIMIZERS, check_class, hyperparameters, param_groups
+from .engine import checked_process_group
+from .sharded_args import ALLOWED_OPTIMIZERS, check_class, check_same_layout, hyperparameters, param_groups
+from .sharded_collectives import Collectives
+from .sharded_local import LocalStep
+from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
+from .sharded_partition import Partition, SliceOwnership
+from .sharded_reducer import Reducer, ready_hook
 
 if TYPE_CHECKING:
-    from .._core.records import Coordinator, Group, PublicStorage
+    from .._core.records import Coordinator, PublicStorage
 
-__all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS"]
+__all__ = ["ShardedOptimizer", "ALLOWED_OPTIMIZERS", "init_state"]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -155,112 +158,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         core: Coordinator = core_behind(storage, "ShardedOptimizer")
         check_class(optimizer_class, allow_unlisted)
         groups = param_groups(core, params)
-        check_sync(_buffers(_synced(core, [p for g in groups for p in g["params"]])), self, _SYNCS)
+        check_sync(buffers(synced(core, [p for g in groups for p in g["params"]])), self, SYNCS)
         pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
-        self._pg, self._world = pg, world
-        self._rank = dist.get_rank(pg)
-        self._owners = [dist.get_global_rank(pg, r) if pg is not None else r for r in range(world)]
         self._shard_gradients = bool(shard_gradients)
+        #: The process group and every collective over it.
+        self._comm = Collectives(pg, world)
+        #: Who owns which slice: this rank's slices, in core order (the order collectives start in).
+        self._ownership: Partition = SliceOwnership(world, self._comm.rank)
+        #: The gradient path during backward.
+        self._reducer = Reducer(core, self._ownership, self._comm, self._shard_gradients)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
-        self._member = _Member(self, core, releases_gradient=self._shard_gradients)
-        self._nccl = "nccl" in str(dist.get_backend(pg))
-        self._by_owner = not self._nccl
-        #: This rank's slices, in core order (the order collectives start in, on every rank).
-        self._shards: list[Shard] = []
-        self._begin(None)
+        self._member = Member(self, core, self._shard_gradients, _follower(weakref.ref(self)))
         self._building = True
-        inner_groups = [{**g, "params": self._new_shards(core, g["params"])} for g in groups]
+        inner_groups = [{**g, "params": self._ownership.add(core.flat_params, g["params"])} for g in groups]
         #: The inner optimizer (of ``optimizer_class``) over this rank's slices.
         self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
+        self._local = LocalStep(self.local_optimizer, self._ownership, self._shard_gradients)
         outer = [
             {**hyperparameters(inner), "params": g["params"]}
             for g, inner in zip(groups, self.local_optimizer.param_groups)
         ]
         super().__init__(outer, dict(self.local_optimizer.defaults))
         self._building = False
-        self._check_layout(core, optimizer_class)
+        check_same_layout(core, self.param_groups, optimizer_class, self._shard_gradients, self._comm)
         self._broadcast(core.flat_params)
         self._join(core)
         weakref.finalize(self, self._member.leave)
 
-    # ----------------------------------------------------------------- building
-    def _new_shards(self, storage: Coordinator, flats: list[Tensor]) -> list[Tensor]:
-        """Make a slice of each trainable flat parameter in ``flats``; return the inner parameters."""
-        new = [
-            Shard(g, flat, self._rank, self._world)
-            for g, flat in enumerate(storage.flat_params)
-            if flat.requires_grad and any(flat is f for f in flats)
-        ]
-        self._shards = sorted(self._shards + new, key=lambda s: s.g)
-        by_flat = {id(s.flat): s for s in new}
-        return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
-
+    # ------------------------------------------------------------------- wiring
     def _storage(self) -> Coordinator:
-        storage = self._storage_ref()
-        if storage is None:
-            raise RuntimeError(
-                "ShardedOptimizer: its FlatStorage no longer exists (remove_flat_storage was called, or "
-                "the model was deleted); build a new optimizer for the new storage"
-            )
-        return storage
-
-    def _shard_of(self, flat: Tensor) -> Shard | None:
-        return next((s for s in self._shards if s.flat is flat), None)
-
-    def _check_layout(self, storage: Coordinator, optimizer_class: type) -> None:
-        """Compare a fingerprint of this rank's layout with every rank's, in one collective."""
-        flats = storage.flat_params
-        layout = repr(
-            (
-                [(n, f.numel(), str(f.dtype), f.requires_grad) for n, f in zip(storage.group_names, flats)],
-                [(i.name, i.group, i.offset, i.numel, tuple(i.shape)) for i in storage.param_infos],
-                [
-                    [next(g for g, f in enumerate(flats) if f is p) for p in pg["params"]]
-                    for pg in self.param_groups
-                ],
-                optimizer_class.__qualname__,
-                self._shard_gradients,
-            )
-        )
-        mine = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
-        device = self._device(storage)
-        everyone = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self._world)]
-        dist.all_gather(everyone, torch.tensor([mine], dtype=torch.int64, device=device), group=self._pg)
-        prints = [int(t.item()) for t in everyone]
-        if len(set(prints)) > 1:
-            differ = [r for r, p in enumerate(prints) if p != prints[0]]
-            raise ValueError(
-                "ShardedOptimizer needs the same flat layout, param groups, optimizer class and "
-                f"shard_gradients on every rank; ranks {differ} differ from rank 0 (layout fingerprints "
-                f"{prints}); register the same model with the same groups on every rank"
-            )
-
-    def _device(self, storage: Coordinator) -> torch.device:
-        """Return the device for small collectives (the backend's: CUDA for NCCL)."""
-        if self._nccl:
-            return torch.device("cuda", torch.cuda.current_device())
-        flats = storage.flat_params
-        return flats[0].device if flats else torch.device("cpu")
+        return live_core(self._storage_ref)
 
     def _broadcast(self, flats: Sequence[Tensor]) -> None:
         """Copy rank 0's values of ``flats`` to every rank, then refresh the slices."""
-        with torch.no_grad():
-            works = [
-                dist.broadcast(f.detach(), self._owners[0], group=self._pg, async_op=True) for f in flats
-            ]
-            for work in works:
-                work.wait()
-            for flat in flats:
-                torch.autograd.graph.increment_version(flat)
-        for shard in self._shards:
-            shard.bind()
+        self._comm.broadcast_from_first(flats)
+        self._ownership.bind()
 
     def _join(self, storage: Coordinator) -> None:
         """Claim the sync of each sliced group not claimed yet, hook it, and join the core's lifecycle."""
         groups = storage.groups()
-        new = [groups[s.g] for s in self._shards if s.g not in self._member.buffers]
-        claim_sync(_buffers(new), self, _SYNCS, [_refusal(group.name) for group in new])
+        new = [groups[s.g] for s in self._ownership.shards if s.g not in self._member.buffers]
+        claim_sync(buffers(new), self, SYNCS, [refusal(group.name) for group in new])
         for group in new:
             self._member.watch(group)
         self._hook()
@@ -268,10 +207,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _hook(self) -> None:
         """Put the gradient-ready hook on every sliced flat parameter that lacks it; relink ``state``."""
-        ref = weakref.ref(self)
-        for shard in self._shards:
+        for shard in self._ownership.shards:
             if shard.hooked is not shard.flat:
-                self._member.hook_flat(shard.g, shard.flat, _ready_hook(ref))
+                self._member.hook_flat(shard.g, shard.flat, ready_hook(self._reducer))
                 shard.hooked = shard.flat
         self._link_state()
 
@@ -283,40 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         an initialized one.
         """
         self.state.clear()
-        inner = self.local_optimizer.state
-        for shard in self._shards:
-            if inner.get(shard.param):
-                self.state[shard.flat] = inner[shard.param]
-
-    def _init_state(self) -> None:
-        """Create this rank's state as a step with zero gradients and ``lr=0`` would, changing no weight.
-
-        What ``torch.distributed.checkpoint`` does to a fresh optimizer before
-        it loads one (``_init_optim_state``), for the inner optimizer over the
-        slices; a no-op once there is state or a slice has a gradient. No
-        collective.
-        """
-        inner = self.local_optimizer
-        if inner.state or any(s.param.grad is not None for s in self._shards):
-            return
-        for shard in self._shards:
-            shard.param.grad = torch.zeros_like(shard.param)
-        lrs = []
-        for group in inner.param_groups:
-            lrs.append(group.get("lr"))
-            if "lr" in group:
-                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
-        try:
-            inner.step()
-        finally:
-            for group, lr in zip(inner.param_groups, lrs):
-                if lr is not None:
-                    group["lr"] = lr
-            inner.zero_grad(set_to_none=True)
-        for shard in self._shards:
-            if shard.shadow:
-                shard.bind()  # the padded copy holds the flat buffer's values again
-        self._link_state()
+        self.state.update(self._local.state_by_flat())
 
     def _follow(self, strict: bool) -> None:
         """Follow flat parameters that ``module.to()`` & co. replaced or moved to other memory.
@@ -328,140 +233,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         storage = self._storage()
         flats = storage.flat_params if strict else [group.flat for group in storage.groups()]
-        changed = False
-        for shard in self._shards:
-            flat = flats[shard.g]
-            if flat.dtype != shard.param.dtype or flat.device != shard.param.device:
-                if not strict:
-                    continue
-                raise RuntimeError(
-                    f"ShardedOptimizer: flat parameter {storage.group_names[shard.g]!r} moved to "
-                    f"{flat.dtype} on {flat.device} after the optimizer was built for {shard.param.dtype} on "
-                    f"{shard.param.device}; build the optimizer after model.to(...)"
-                )
-            if flat is not shard.flat:
-                for group in self.param_groups:
-                    group["params"] = [flat if p is shard.flat else p for p in group["params"]]
-                shard.flat, changed = flat, True
-            if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
-                shard.bind()  # new memory, or values written into a padded slice's range (a load)
-        if changed:
+        replaced = self._ownership.follow(flats, storage.group_names, strict)
+        for old, new in replaced:
+            for group in self.param_groups:
+                group["params"] = [new if p is old else p for p in group["params"]]
+        if replaced:
             self._hook()
 
-    # -------------------------------------------------------------- gradient sync
-    def _begin(self, task: int | None) -> None:
-        """Forget the previous backward (an aborted one included) and start ``task``."""
-        self._task = task
-        self._ready: set[int] = set()
-        self._next = 0
-        self._pending: list[tuple[Shard, list[Any], Tensor]] = []
-
-    def _grad_ready(self, flat: Tensor) -> None:
-        """Hook body: ``flat``'s gradient is final for this backward."""
-        storage = self._storage_ref()
-        if storage is None or storage.no_sync_depth:
-            return
-        index = next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
-        if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
-            return
-        task = graph_task_id()
-        if self._task != task:
-            self._begin(task)
-            queue_callback(self._backward_end)
-        self._ready.add(index)
-        self._launch(final=False)
-
-    def _launch(self, final: bool) -> None:
-        """Start the reductions next in storage order that are ready (every one if ``final``)."""
-        while self._next < len(self._shards):
-            if not (final or self._next in self._ready):
-                return
-            if self._shard_gradients:
-                self._finish()  # one full gradient in flight at a time
-            self._pending.append(self._start(self._shards[self._next]))
-            self._next += 1
-
-    def _start(self, shard: Shard) -> tuple[Shard, list[Any], Tensor]:
-        """Start reducing ``shard``'s flat gradient (zeros where this rank has none)."""
-        flat, pg, world = shard.flat, self._pg, self._world
-        grad = flat.grad
-        if grad is None:
-            grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-        elif not grad.is_contiguous():
-            grad = grad.contiguous()
-        grad, full = self._in_reduce_dtype(shard, grad), grad
-        if not self._shard_gradients:
-            flat.grad = full
-            if not self._nccl:
-                grad.div_(world)  # gloo has no average: divide, then sum
-                return shard, [dist.all_reduce(grad, group=pg, async_op=True)], grad
-            return shard, [dist.all_reduce(grad, dist.ReduceOp.AVG, group=pg, async_op=True)], grad
-        flat.grad = None  # this rank keeps its slice only
-        if self._by_owner:
-            works = []
-            for owner in range(world):
-                lo, hi = shard.bounds(owner)
-                if hi > lo:
-                    works.append(dist.reduce(grad[lo:hi], self._owners[owner], group=pg, async_op=True))
-            return shard, works, grad
-        padded = grad
-        if grad.numel() != shard.chunk * world:
-            padded = torch.cat([grad, grad.new_zeros(shard.chunk * world - grad.numel())])
-        out = grad.new_empty(shard.chunk)
-        return shard, [reduce_scatter(out, padded, group=pg, async_op=True)], out
-
-    def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
-        """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
-        dtype = self._storage().groups()[shard.g].grad_buffer.reduce_dtype
-        return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
-
-    def _finish(self) -> None:
-        """Wait for the reductions in flight and hand each slice its averaged gradient."""
-        pending, self._pending = self._pending, []
-        for shard, works, grad in pending:
-            for work in works:
-                work.wait()
-            if grad.dtype != shard.flat.dtype:  # reduced in the group's reduce dtype
-                grad = grad.to(shard.flat.dtype)
-                if not self._shard_gradients and shard.flat.grad is not None:
-                    shard.flat.grad.copy_(grad)
-            if not self._shard_gradients:
-                shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
-            elif self._by_owner:
-                shard.set_grad(grad[shard.lo : shard.hi] / self._world, accumulate=True)
-            else:
-                shard.set_grad(grad.div_(self._world), accumulate=True)
-
-    def _backward_end(self) -> None:
-        """Engine callback: start what is left, wait for every reduction."""
-        enclosing = current_node()
-        if enclosing is not None:
-            self._begin(None)
-            raise RuntimeError(
-                "ShardedOptimizer needs each flat gradient to be produced by the outermost backward; one "
-                f"came from a nested (reentrant) backward run by {type(enclosing).__name__}, e.g. "
-                "torch.utils.checkpoint.checkpoint(..., use_reentrant=True); pass use_reentrant=False"
-            )
-        try:
-            self._launch(final=True)
-            self._finish()
-        finally:
-            self._begin(None)
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block; the next backward outside syncs their sum.
-
-        The same as the storage's ``no_sync()``. Inside, each rank keeps full
-        local flat gradients (as DDP's ``no_sync`` does).
-
-        Example:
-            >>> with opt.no_sync():
-            ...     model(x0).sum().backward()
-            >>> model(x1).sum().backward()  # syncs the sum of both
-        """
-        with self._storage().no_sync():
-            yield
+    def _state_view(self) -> _sharded_state.StateView:
+        """Return what the state conversion reads of this optimizer."""
+        return _sharded_state.StateView(self.param_groups, self.local_optimizer, self._ownership, self._comm)
 
     # -------------------------------------------------------------- optimizer API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -487,8 +268,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
         (group,) = param_groups(storage, [param_group], taken=taken)
-        check_sync(_buffers(_synced(storage, group["params"])), self, _SYNCS)
-        new = self._new_shards(storage, group["params"])
+        check_sync(buffers(synced(storage, group["params"])), self, SYNCS)
+        new = self._ownership.add(storage.flat_params, group["params"])
         self.local_optimizer.add_param_group({**group, "params": new})
         super().add_param_group(
             {**hyperparameters(self.local_optimizer.param_groups[-1]), "params": group["params"]}
@@ -525,44 +306,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow(strict=True)
-        for outer, inner in zip(self.param_groups, self.local_optimizer.param_groups):
-            inner.update(hyperparameters(outer))
-        self.local_optimizer.step()
-        self._gather()
+        self._local.step(self.param_groups)
+        self._comm.gather_slices(self._ownership.shards)
         self._link_state()
         return loss
-
-    def _gather(self) -> None:
-        """Copy every owner's updated slice into every rank's flat buffers."""
-        world, pg = self._world, self._pg
-        works, padded = [], []
-        with torch.no_grad():
-            for shard in self._shards:
-                flat = shard.flat.detach()
-                if shard.shadow:
-                    flat[shard.lo : shard.hi].copy_(shard.param[: shard.hi - shard.lo])
-                if self._by_owner:
-                    for owner in range(world):
-                        lo, hi = shard.bounds(owner)
-                        if hi > lo:
-                            works.append(
-                                dist.broadcast(flat[lo:hi], self._owners[owner], group=pg, async_op=True)
-                            )
-                elif shard.numel == shard.chunk * world:  # in place: the input is the output's slice
-                    works.append(all_gather(flat, shard.param, group=pg, async_op=True))
-                else:
-                    out = flat.new_empty(shard.chunk * world)
-                    works.append(all_gather(out, shard.param, group=pg, async_op=True))
-                    padded.append((flat, out))
-            for work in works:
-                work.wait()
-            for flat, out in padded:
-                flat.copy_(out[: flat.numel()])
-            for shard in self._shards:
-                if shard.shadow:
-                    shard.param[shard.hi - shard.lo :].zero_()  # the padding stays zero
-                torch.autograd.graph.increment_version(shard.flat)
-                shard.version = shard.flat._version
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -588,47 +335,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> norm = opt.clip_grad_norm_(1.0)
         """
-        p = float(norm_type)
-        if not p > 0:
-            raise ValueError(
-                f"clip_grad_norm_(): norm_type must be a positive number or inf; got {norm_type!r}; "
-                "pass e.g. norm_type=2.0"
-            )
-        grads = [s.param.grad for s in self._shards if s.param.grad is not None]
-        device = self._device(self._storage())
-        if math.isinf(p):
-            local = max(
-                (g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64)
-            )
-            total = local.reshape(1).to(device)
-            dist.all_reduce(total, dist.ReduceOp.MAX, group=self._pg)
-        else:
-            local = sum(
-                (torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64) ** p for g in grads),
-                torch.zeros((), dtype=torch.float64),
-            )
-            total = local.reshape(1).to(device)
-            dist.all_reduce(total, group=self._pg)
-            total = total ** (1.0 / p)
-        total = total[0]
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from the ShardedOptimizer is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
-                "by the non-finite norm anyway, set `error_if_nonfinite=False`"
-            )
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        scaled = [
-            s.param.grad
-            for s in self._shards
-            if s.param.grad is not None and (self._shard_gradients or s.shadow)
-        ]
-        if not self._shard_gradients:
-            scaled += [s.flat.grad for s in self._shards if s.flat.grad is not None]
-        for grad in scaled:
-            grad.detach().mul_(coef.to(grad.device, grad.dtype))
-        dtype = grads[0].dtype if grads else torch.float32
-        return total.to(dtype)
+        return self._local.clip_grad_norm_(
+            self._comm,
+            lambda: self._comm.device(self._storage().flat_params),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+        )
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block; the next backward outside syncs their sum.
+
+        The same as the storage's ``no_sync()``. Inside, each rank keeps full
+        local flat gradients (as DDP's ``no_sync`` does).
+
+        Example:
+            >>> with opt.no_sync():
+            ...     model(x0).sum().backward()
+            >>> model(x1).sum().backward()  # syncs the sum of both
+        """
+        with self._storage().no_sync():
+            yield
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -650,7 +378,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> if dist.get_rank() == 0:
             ...     torch.save(sd, "optim.pt")
         """
-        return _sharded_state.gathered_state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        result = _sharded_state.gathered_state_dict(self._state_view())
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = post_hook(self, result)
+            if hooked is not None:
+                result = hooked
+        return result
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` (or a single-process optimizer's), at any world size.
@@ -669,7 +404,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.load_state_dict(torch.load("optim.pt"))
         """
-        _sharded_state.load_gathered(self, state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hooked = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it a dict
+            if hooked is not None:
+                state_dict = hooked
+        _sharded_state.load_gathered(self._state_view(), state_dict)
+        self._link_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """Return this rank's slices of the state, without any collective.
@@ -685,7 +427,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")
         """
-        return _sharded_state.local_state_dict(self)
+        return _sharded_state.local_state_dict(self._state_view())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Load slices saved by :meth:`sharded_state_dict`, at the same or another world size.
@@ -708,116 +450,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(saved_world_size)]
             >>> opt.load_sharded_state_dict(parts)
         """
-        _sharded_state.load_local_parts(self, state_dict)
+        _sharded_state.load_local_parts(self._state_view(), state_dict)
+        self._link_state()
 
 
-#: What a ShardedOptimizer does that nothing else may do to its flat parameters (the start of a refusal).
-_SYNCS = "ShardedOptimizer syncs the gradients of the flat parameters it optimizes"
+def init_state(opt: ShardedOptimizer) -> None:
+    """Create ``opt``'s state on this rank as a step with zero gradients and ``lr=0`` would (no collective).
 
+    What ``torch.distributed.checkpoint`` does to a fresh optimizer before it
+    loads one (``_init_optim_state``; ``dcp.py`` calls this instead); a no-op
+    once there is state or a slice has a gradient.
 
-def _refusal(name: str) -> str:
-    """What is told to one that wants to sync group ``name``'s gradient while an optimizer does."""
-    return (
-        f"the flat parameter of group {name!r} is already optimized by a ShardedOptimizer that still "
-        "exists, which reduces its gradient (it would be reduced twice); delete that optimizer first "
-        "(del opt), or give each optimizer other flat parameters"
-    )
-
-
-def _synced(storage: Coordinator, flats: Iterable[Tensor]) -> list[Group]:
-    """Return the groups of ``flats`` that an optimizer over them slices and syncs (the trainable ones)."""
-    flats = list(flats)
-    return [g for g in storage.groups() if g.flat.requires_grad and any(g.flat is f for f in flats)]
-
-
-def _buffers(groups: Iterable[Group]) -> list[GradBuffer]:
-    return [group.grad_buffer for group in groups]
-
-
-class _Member:
-    """A ShardedOptimizer's part on its storage's core: a feature, and the flat-gradient hook of its groups.
-
-    The core drives its lifecycle (``_core/features.py``): ``on_rebacked``
-    follows flat parameters that ``module.to()`` & co. replaced or moved;
-    ``on_removed`` (``remove_flat_storage``) and the optimizer's garbage
-    collection make it leave: every hook removed, the feature dropped. A deep
-    copy of the model goes without it. As the hook of each group the
-    optimizer slices, it tells the group's gradient buffer that ZeRO-2 keeps
-    no full flat gradient (:attr:`releases_gradient`). It holds the optimizer
-    and the core weakly.
+    Args:
+        opt: the optimizer whose state to create.
     """
+    if opt._local.init_state():
+        opt._link_state()
 
-    def __init__(self, opt: ShardedOptimizer, core: Coordinator, releases_gradient: bool) -> None:
-        self._opt = weakref.ref(opt)
-        self._core_ref = weakref.ref(core)
-        #: ZeRO-2: the full flat gradients are dropped after backward (``FlatGradHook``).
-        self.releases_gradient = releases_gradient
-        #: Group index -> its gradient buffer, which calls this hook.
-        self.buffers: dict[int, GradBuffer] = {}
-        #: Group index -> the optimizer's post-accumulate-grad hook on its flat parameter.
-        self._handles: dict[int, RemovableHandle] = {}
-        self._joined = False
 
-    def watch(self, group: Group) -> None:
-        """Be the flat-gradient hook of ``group``."""
-        buffer = self.buffers[group.index] = group.grad_buffer
-        buffer.add_hook(self)
+def _follower(ref: weakref.ref[ShardedOptimizer]) -> Callable[[], None]:
+    """Return what the core calls on the optimizer (held weakly) when it replaced flat parameters."""
 
-    def hook_flat(self, g: int, flat: Tensor, hook: Callable[[Tensor], None]) -> None:
-        """Put ``hook`` on group ``g``'s (new) flat parameter, off the one it replaced."""
-        old = self._handles.pop(g, None)
-        if old is not None:
-            old.remove()
-        self._handles[g] = flat.register_post_accumulate_grad_hook(hook)
-
-    def join(self, core: Coordinator) -> None:
-        """Take part in ``core``'s lifecycle (once)."""
-        if not self._joined:
-            core.add_feature(self)
-            self._joined = True
-
-    def leave(self) -> None:
-        """Remove every hook and claim and leave the core's lifecycle (again: nothing to do)."""
-        handles, self._handles = self._handles, {}
-        for handle in handles.values():
-            handle.remove()
-        buffers, self.buffers = self.buffers, {}
-        opt = self._opt()
-        for buffer in buffers.values():
-            buffer.remove_hook(self)
-            buffer.release_sync(opt)
-        core = self._core_ref()
-        if core is not None and self._joined:
-            core.remove_feature(self)
-        self._joined = False
-
-    # ------------------------------------------------------------------ Feature
-    def on_rebacked(self) -> None:
-        opt = self._opt()
+    def follow() -> None:
+        opt = ref()
         if opt is not None:
             opt._follow(strict=False)
 
-    def refresh(self) -> None:
-        return None  # replacements come with on_rebacked; step() checks .data swaps nothing notifies
-
-    def on_removed(self) -> None:
-        self.leave()
-
-    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> None:
-        return None  # the optimizer optimizes the original's flat parameters, not the copy's
-
-    # ------------------------------------------------------------- FlatGradHook
-    def divisor(self, flat: Tensor) -> int | None:
-        return None
-
-    def grad_ready(self, grad: Tensor, divided: bool) -> None:
-        return None
-
-
-def _ready_hook(ref: weakref.ref[ShardedOptimizer]) -> Callable[[Tensor], None]:
-    def hook(flat: Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            opt._grad_ready(flat)
-
-    return hook
+    return follow

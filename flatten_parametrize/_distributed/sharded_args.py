@@ -1,7 +1,8 @@
-"""Argument checks of ShardedOptimizer: the optimizer class and the param groups."""
+"""Argument checks of ShardedOptimizer: the optimizer class, the param groups, one layout on all ranks."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -10,8 +11,9 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from .._core.records import Coordinator
+    from .sharded_collectives import Collectives
 
-__all__ = ["ALLOWED_OPTIMIZERS", "check_class", "hyperparameters", "param_groups"]
+__all__ = ["ALLOWED_OPTIMIZERS", "check_class", "check_same_layout", "hyperparameters", "param_groups"]
 
 #: Optimizers whose update of an element depends only on that element's gradient and state
 #: (so that a slice cut through parameters is stepped exactly like the whole).
@@ -94,3 +96,37 @@ def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()
 def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     """Return a param group's hyperparameters (everything but ``params``)."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_same_layout(
+    storage: Coordinator,
+    groups: Sequence[Mapping[str, Any]],
+    optimizer_class: type,
+    shard_gradients: bool,
+    comm: Collectives,
+) -> None:
+    """Compare a fingerprint of this rank's layout with every rank's, in one collective.
+
+    Raises:
+        ValueError: on every rank, if any rank's layout, param groups, optimizer class or
+            ``shard_gradients`` differ from rank 0's.
+    """
+    flats = storage.flat_params
+    layout = repr(
+        (
+            [(n, f.numel(), str(f.dtype), f.requires_grad) for n, f in zip(storage.group_names, flats)],
+            [(i.name, i.group, i.offset, i.numel, tuple(i.shape)) for i in storage.param_infos],
+            [[next(g for g, f in enumerate(flats) if f is p) for p in pg["params"]] for pg in groups],
+            optimizer_class.__qualname__,
+            shard_gradients,
+        )
+    )
+    mine = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
+    prints = comm.all_gather_ints(mine, comm.device(flats))
+    if len(set(prints)) > 1:
+        differ = [r for r, p in enumerate(prints) if p != prints[0]]
+        raise ValueError(
+            "ShardedOptimizer needs the same flat layout, param groups, optimizer class and "
+            f"shard_gradients on every rank; ranks {differ} differ from rank 0 (layout fingerprints "
+            f"{prints}); register the same model with the same groups on every rank"
+        )

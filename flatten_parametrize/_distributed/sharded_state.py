@@ -10,78 +10,67 @@ ranges it owns now).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .._state.optim import check_state_dict
-from .shard import Shard, all_gather, copy_value, elementwise
+from .shard import Shard, copy_value, elementwise
 from .sharded_args import hyperparameters
+from .sharded_collectives import Collectives
+from .sharded_partition import Partition
+
+__all__ = [
+    "SHARDED_FORMAT",
+    "StateView",
+    "gathered_state_dict",
+    "load_gathered",
+    "load_local_parts",
+    "local_state_dict",
+]
 
 
-class ShardedOptimizer(Protocol):
-    """What the checkpoint code reads of a ``ShardedOptimizer`` (``_sharded.py`` imports this module)."""
+@dataclass(frozen=True)
+class StateView:
+    """What the state conversion reads of a ``ShardedOptimizer``: its seam (built by ``sharded.py``).
 
+    The state-dict hooks and relinking ``state`` after a load stay with the
+    optimizer; everything here is read, and a load writes the inner
+    optimizer's state and the outer groups' hyperparameters.
+    """
+
+    #: The outer param groups (over the flat parameters).
     param_groups: list[dict[str, Any]]
+    #: The inner optimizer over this rank's shards.
     local_optimizer: torch.optim.Optimizer
-    _world: int
-    _rank: int
-    _pg: dist.ProcessGroup | None
-    _owners: list[int]
-    _by_owner: bool
+    #: Who owns which part of each flat parameter.
+    ownership: Partition
+    #: The process group's collectives (for the gathered state).
+    collectives: Collectives
 
-    @property
-    def _optimizer_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-
-    @property
-    def _optimizer_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-
-    @property
-    def _optimizer_load_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-
-    @property
-    def _optimizer_load_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-
-    def _shard_of(self, flat: Tensor) -> Shard | None: ...
-
-    def _link_state(self) -> None: ...
-
-
-__all__ = ["SHARDED_FORMAT", "gathered_state_dict", "load_gathered", "load_local_parts", "local_state_dict"]
 
 #: Version tag of the per-rank state dict.
 SHARDED_FORMAT = "flatten_parametrize.sharded_optimizer/1"
 
 
-def gathered_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
-    """Return the whole state of ``opt``, gathered, in a single-process optimizer's format (collective)."""
-    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
-        pre_hook(opt)
-    groups, ids = _packed_groups(opt)
+def gathered_state_dict(view: StateView) -> dict[str, Any]:
+    """Return the whole optimizer state, gathered, in a single-process optimizer's format (collective)."""
+    groups, ids = _packed_groups(view)
     state: dict[int, dict[str, Any]] = {}
     for index, flat in ids:
-        shard = opt._shard_of(flat)
-        entry = None if shard is None else opt.local_optimizer.state.get(shard.param)
+        shard = view.ownership.shard_of(flat)
+        entry = None if shard is None else view.local_optimizer.state.get(shard.param)
         if entry:
-            state[index] = {key: _gather_value(opt, shard, value) for key, value in entry.items()}  # type: ignore[arg-type]
-    result: dict[str, Any] = {"state": state, "param_groups": groups}
-    for post_hook in opt._optimizer_state_dict_post_hooks.values():
-        hooked = post_hook(opt, result)
-        if hooked is not None:
-            result = hooked
-    return result
+            state[index] = {key: _gather_value(view, shard, value) for key, value in entry.items()}  # type: ignore[arg-type]
+    return {"state": state, "param_groups": groups}
 
 
-def load_gathered(opt: ShardedOptimizer, state_dict: Mapping[str, Any]) -> None:
-    """Give ``opt`` this rank's slices of a gathered (or single-process) state dict."""
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        hooked = pre_hook(opt, state_dict)
-        if hooked is not None:
-            state_dict = hooked
+def load_gathered(view: StateView, state_dict: Mapping[str, Any]) -> None:
+    """Give the inner optimizer this rank's slices of a gathered (or single-process) state dict."""
     state, groups = check_state_dict(state_dict, "ShardedOptimizer.load_state_dict()")
-    saved = _match_groups(opt, groups, "load_state_dict()")
+    saved = _match_groups(view, groups, "load_state_dict()")
 
     def piece(shard: Shard, saved_id: Any, key: str, value: Tensor) -> Tensor:
         if value.numel() != shard.numel:
@@ -92,18 +81,16 @@ def load_gathered(opt: ShardedOptimizer, state_dict: Mapping[str, Any]) -> None:
             )
         return shard.assemble([(0, value)], value)
 
-    _load_local(opt, groups, saved, state, piece)
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
+    _load_local(view, groups, saved, state, piece)
 
 
-def local_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
-    """Return this rank's slices of ``opt``'s state, with the world size, rank and layout."""
-    groups, ids = _packed_groups(opt)
+def local_state_dict(view: StateView) -> dict[str, Any]:
+    """Return this rank's slices of the optimizer state, with the world size, rank and layout."""
+    groups, ids = _packed_groups(view)
     state: dict[int, dict[str, Any]] = {}
     for index, flat in ids:
-        shard = opt._shard_of(flat)
-        entry = None if shard is None else opt.local_optimizer.state.get(shard.param)
+        shard = view.ownership.shard_of(flat)
+        entry = None if shard is None else view.local_optimizer.state.get(shard.param)
         if shard is not None and entry:
             state[index] = {
                 key: value[: shard.hi - shard.lo] if elementwise(value) else value
@@ -111,18 +98,16 @@ def local_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             }
     return {
         "format": SHARDED_FORMAT,
-        "world_size": opt._world,
-        "rank": opt._rank,
+        "world_size": view.ownership.world,
+        "rank": view.ownership.rank,
         "numels": [flat.numel() for _, flat in ids],
         "state": state,
         "param_groups": groups,
     }
 
 
-def load_local_parts(
-    opt: ShardedOptimizer, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-) -> None:
-    """Give ``opt`` its slices from this rank's sharded dict or from every saving rank's."""
+def load_local_parts(view: StateView, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+    """Give the inner optimizer its slices from this rank's sharded dict or from every saving rank's."""
     parts = [state_dict] if isinstance(state_dict, Mapping) else list(state_dict)
     for part in parts:
         if not isinstance(part, Mapping) or part.get("format") != SHARDED_FORMAT:
@@ -132,15 +117,16 @@ def load_local_parts(
                 "state dict call load_state_dict()"
             )
     saved_world = parts[0]["world_size"]
+    world, rank = view.ownership.world, view.ownership.rank
     if isinstance(state_dict, Mapping):
-        if saved_world != opt._world or parts[0]["rank"] != opt._rank:
+        if saved_world != world or parts[0]["rank"] != rank:
             raise ValueError(
                 f"ShardedOptimizer.load_sharded_state_dict(): this dict holds rank {parts[0]['rank']}'s "
-                f"slices of a world of {saved_world}; this is rank {opt._rank} of {opt._world}; pass "
+                f"slices of a world of {saved_world}; this is rank {rank} of {world}; pass "
                 "this rank's own dict, or the list of every saving rank's dicts to reshard (with "
                 "torch.load(path, mmap=True) only the needed ranges are read)"
             )
-        by_rank = {opt._rank: parts[0]}
+        by_rank = {rank: parts[0]}
     else:
         ranks = [p["rank"] for p in parts]
         if ranks != list(range(saved_world)) or any(p["world_size"] != saved_world for p in parts):
@@ -151,7 +137,7 @@ def load_local_parts(
                 "pass [dict of rank 0, dict of rank 1, ...]"
             )
         by_rank = dict(enumerate(parts))
-    _, ids = _packed_groups(opt)
+    _, ids = _packed_groups(view)
     numels = [flat.numel() for _, flat in ids]
     if parts[0]["numels"] != numels:
         raise ValueError(
@@ -160,7 +146,7 @@ def load_local_parts(
             "the same layout and param groups"
         )
     groups = parts[0]["param_groups"]
-    saved = _match_groups(opt, groups, "load_sharded_state_dict()")
+    saved = _match_groups(view, groups, "load_sharded_state_dict()")
 
     def piece(shard: Shard, saved_id: Any, key: str, value: Tensor) -> Tensor:
         chunk = -(-shard.numel // saved_world)
@@ -171,45 +157,29 @@ def load_local_parts(
                 pieces.append((lo, part["state"][saved_id][key]))
         return shard.assemble(pieces, value)
 
-    state = parts[opt._rank % len(parts)]["state"]
-    _load_local(opt, groups, saved, state, piece)
+    state = parts[rank % len(parts)]["state"]
+    _load_local(view, groups, saved, state, piece)
 
 
-def _packed_groups(opt: ShardedOptimizer) -> tuple[list[dict[str, Any]], list[tuple[int, Tensor]]]:
+def _packed_groups(view: StateView) -> tuple[list[dict[str, Any]], list[tuple[int, Tensor]]]:
     """Return the param groups with integer ids, as torch packs them, and ``(id, flat)`` pairs."""
     groups: list[dict[str, Any]] = []
     ids: list[tuple[int, Tensor]] = []
-    for group in opt.param_groups:
+    for group in view.param_groups:
         start = len(ids)
         ids += [(start + i, p) for i, p in enumerate(group["params"])]
         groups.append({**hyperparameters(group), "params": list(range(start, len(ids)))})
     return groups, ids
 
 
-def _gather_value(opt: ShardedOptimizer, shard: Shard, value: Any) -> Any:
+def _gather_value(view: StateView, shard: Shard, value: Any) -> Any:
     """Return one state value of the whole flat parameter (slices gathered from their owners)."""
-    if not elementwise(value):
-        return copy_value(value)
-    world, pg = opt._world, opt._pg
-    if not opt._by_owner:
-        out = value.new_empty(shard.chunk * world)
-        all_gather(out, value.contiguous(), group=pg)
-        return out[: shard.numel].clone()
-    full = value.new_zeros(shard.numel)
-    full[shard.lo : shard.hi].copy_(value[: shard.hi - shard.lo])
-    works = []
-    for owner in range(world):
-        lo, hi = shard.bounds(owner)
-        if hi > lo:
-            works.append(dist.broadcast(full[lo:hi], opt._owners[owner], group=pg, async_op=True))
-    for work in works:
-        work.wait()
-    return full
+    return view.collectives.gather_value(shard, value) if elementwise(value) else copy_value(value)
 
 
-def _match_groups(opt: ShardedOptimizer, groups: list[Mapping[str, Any]], what: str) -> dict[int, Any]:
+def _match_groups(view: StateView, groups: list[Mapping[str, Any]], what: str) -> dict[int, Any]:
     """Return ``{id(flat): saved id}`` after checking that the param groups have our sizes."""
-    sizes = [len(g["params"]) for g in opt.param_groups]
+    sizes = [len(g["params"]) for g in view.param_groups]
     saved_sizes = [len(g["params"]) for g in groups]
     if sizes != saved_sizes:
         raise ValueError(
@@ -218,13 +188,13 @@ def _match_groups(opt: ShardedOptimizer, groups: list[Mapping[str, Any]], what: 
         )
     return {
         id(p): saved_id
-        for g, s in zip(opt.param_groups, groups)
+        for g, s in zip(view.param_groups, groups)
         for p, saved_id in zip(g["params"], s["params"])
     }
 
 
 def _load_local(
-    opt: ShardedOptimizer,
+    view: StateView,
     groups: list[Mapping[str, Any]],
     saved: dict[int, Any],
     state: Mapping[Any, Any],
@@ -234,10 +204,10 @@ def _load_local(
     inner_state: dict[int, dict[str, Any]] = {}
     inner_groups = []
     index = 0
-    for outer, group in zip(opt.param_groups, groups):
+    for outer, group in zip(view.param_groups, groups):
         ids = []
         for flat in outer["params"]:
-            shard = opt._shard_of(flat)
+            shard = view.ownership.shard_of(flat)
             if shard is None:
                 continue
             saved_id = saved[id(flat)]
@@ -250,7 +220,6 @@ def _load_local(
             ids.append(index)
             index += 1
         inner_groups.append({**hyperparameters(group), "params": ids})
-    opt.local_optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-    for outer, inner in zip(opt.param_groups, opt.local_optimizer.param_groups):
+    view.local_optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    for outer, inner in zip(view.param_groups, view.local_optimizer.param_groups):
         outer.update(hyperparameters(inner))
-    opt._link_state()

@@ -196,7 +196,7 @@ def _scenario_one_buffer_collectives(rank: int, world: int) -> dict[str, Any]:
 
     def init(self, *args, **kwargs):
         real(self, *args, **kwargs)
-        self._by_owner = False
+        self._comm.by_owner = False
 
     _sharded.ShardedOptimizer.__init__ = init
     try:
@@ -209,7 +209,7 @@ def _scenario_one_buffer_collectives(rank: int, world: int) -> dict[str, Any]:
 def _grad_bytes(storage, opt) -> int:
     """Bytes of gradient memory held: flat gradients, slice gradients, the storage's kept gradient memory."""
     held = sum(f.grad.nbytes for f in storage.flat_params if f.grad is not None)
-    held += sum(s.param.grad.nbytes for s in opt._shards if s.param.grad is not None)
+    held += sum(s.param.grad.nbytes for s in opt._ownership.shards if s.param.grad is not None)
     held += sum(k.nbytes() for g in core_of(storage).groups() for k in g.views.grad_buffer._kept)
     return held
 
@@ -224,17 +224,18 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
         opt = ShardedOptimizer(storage, torch.optim.Adam, lr=0.01, shard_gradients=shard)
         ref = torch.optim.Adam(plain.parameters(), lr=0.01)
         in_flight: list[int] = []
-        start = opt._start
+        start = opt._reducer.start
 
         def counting_start(piece, start=start, storage=storage, opt=opt, in_flight=in_flight):
             started = start(piece)
             # full flat gradients alive once this bucket's reduction started
             alive = {id(f.grad) for f in storage.flat_params if f.grad is not None}
-            alive |= {id(grad) for _, _, grad in (*opt._pending, started) if grad.numel() > piece.chunk}
+            pending = (*opt._reducer.pending, started)
+            alive |= {id(grad) for _, _, grad in pending if grad.numel() > piece.chunk}
             in_flight.append(len(alive))
             return started
 
-        opt._start = counting_start
+        opt._reducer.start = counting_start
         for step in range(3):
             x, y = torch.randn(2, BATCH, 16, generator=torch.Generator().manual_seed(step))
             (model(x[_mine(rank, world)]) - y[_mine(rank, world)]).pow(2).mean().backward()
@@ -285,7 +286,7 @@ def _scenario_mixed_dtypes(rank: int, world: int) -> dict[str, Any]:
         plain(x).pow(2).mean().backward()
         ref.step()
         ref.zero_grad()
-    dtypes = [s.param.dtype for s in opt._shards]
+    dtypes = [s.param.dtype for s in opt._ownership.shards]
     return {"sharded": values(model), "plain": values(plain), "dtypes": dtypes}
 
 
@@ -915,7 +916,7 @@ def test_the_optimizer_is_a_feature_of_the_core_until_it_is_collected(world1, sh
     core = core_of(storage)
     buffers = [g.views.grad_buffer for g in core.groups()]
     opt = ShardedOptimizer(storage, torch.optim.SGD, lr=0.1, shard_gradients=shard)
-    assert [type(f).__name__ for f in core.features] == ["_Member"]
+    assert [type(f).__name__ for f in core.features] == ["Member"]
     assert _hooks_on(storage) == (2, 2)
     assert [b.keep for b in buffers] == ([0, 0] if shard else [2, 2])  # ZeRO-2 keeps no full gradient
     _step(model, opt)

@@ -286,6 +286,51 @@ def import_time_actions(modules: dict[str, Path]) -> list[tuple[str, int, str]]:
     return found
 
 
+def private_reads(source: str, cls: str) -> list[str]:
+    """Return each ``x._name`` in ``source`` where ``x`` holds a ``cls``.
+
+    A name holds one where it is annotated with ``cls`` (argument or variable), checked with
+    ``isinstance(x, cls)``, or is named ``opt``, ``optim`` or ``optimizer``.
+    """
+    tree = ast.parse(source)
+    holders = {"opt", "optim", "optimizer"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None and cls in ast.unparse(node.annotation):
+            holders.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if cls in ast.unparse(node.annotation):
+                holders.add(node.target.id)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance" and len(node.args) == 2:
+            if isinstance(node.args[0], ast.Name) and cls in ast.unparse(node.args[1]):
+                holders.add(node.args[0].id)
+    return sorted(
+        {
+            ast.unparse(node)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in holders
+            and node.attr.startswith("_")
+            and not node.attr.endswith("__")
+        }
+    )
+
+
+def branch_points(node: ast.AST) -> int:
+    """Return the decision points under ``node``: each if, loop, ternary, except, comprehension (and its
+    conditions), extra operand of ``and`` / ``or``, assert and match case."""
+    decisions = (ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler, ast.Assert, ast.match_case)
+    count = 0
+    for sub in ast.walk(node):
+        if isinstance(sub, decisions):
+            count += 1
+        elif isinstance(sub, ast.comprehension):
+            count += 1 + len(sub.ifs)
+        elif isinstance(sub, ast.BoolOp):
+            count += len(sub.values) - 1
+    return count
+
+
 MODULES, IMPORTS = imports(PACKAGE)
 
 #: The features composed on the coordinator, with the modules that only each of them uses. They reach the
@@ -297,6 +342,11 @@ FEATURES = {
         "_distributed.sharded",
         "_distributed.sharded_state",
         "_distributed.sharded_args",
+        "_distributed.sharded_collectives",
+        "_distributed.sharded_local",
+        "_distributed.sharded_member",
+        "_distributed.sharded_partition",
+        "_distributed.sharded_reducer",
         "_distributed.shard",
     },
     "disk offload": {"_features.offload"},
@@ -396,6 +446,35 @@ def test_only_init_files_act_when_imported():
         if (module, code) not in IMPORT_TIME_ALLOWED
     ]
     assert actions == [], f"modules that act when imported (move the call into an __init__.py): {actions}"
+
+
+def test_no_module_reads_private_attributes_of_the_sharded_optimizer():
+    """Only ``_distributed/sharded.py`` reads ``ShardedOptimizer``'s private attributes; others use seams."""
+    reads = [
+        f"{name}: {read}"
+        for name, path in MODULES.items()
+        if name != "_distributed.sharded"
+        for read in private_reads(path.read_text(), "ShardedOptimizer")
+    ]
+    assert reads == [], f"private reads of ShardedOptimizer: {reads}"
+
+
+#: The most decision points a class of ``ShardedOptimizer``'s modules may have (each concern its own class;
+#: the one class that held them all had 120).
+MAX_BRANCH_POINTS = 40
+
+
+def test_each_class_of_the_sharded_optimizer_holds_one_concern():
+    """No class in ``ShardedOptimizer``'s modules has more than ``MAX_BRANCH_POINTS`` decision points."""
+    counts = {
+        f"{name}.{node.name}": branch_points(node)
+        for name in sorted(FEATURES["ShardedOptimizer"])
+        for node in ast.parse(MODULES[name].read_text()).body
+        if isinstance(node, ast.ClassDef)
+    }
+    assert len(counts) >= 6, counts
+    over = {name: n for name, n in counts.items() if n > MAX_BRANCH_POINTS}
+    assert over == {}, f"classes over {MAX_BRANCH_POINTS} branch points: {over}"
 
 
 # The product contract's "Public surface": a new public name is a deliberate edit of these lists
@@ -560,3 +639,36 @@ def test_the_injected_classes_and_guarantees_do_not_depend_on_the_import_order(t
         "relayout.resize_token_embeddings"
     )
     assert "resize_token_embeddings" not in found["normal"]["a module with slots"]
+
+
+def test_the_private_read_checker_finds_every_holder():
+    """Annotated, ``isinstance``-checked and conventionally named holders are found; dunders, others not."""
+    source = (
+        "def f(a: ShardedOptimizer, b: 'ShardedOptimizer | None', c, opt, other):\n"
+        "    if isinstance(c, ShardedOptimizer):\n"
+        "        c._x\n"
+        "    d: ShardedOptimizer = a\n"
+        "    return a._world, b._pg, opt._shards, d._y, other._fine, a.public, a.__class__\n"
+    )
+    assert private_reads(source, "ShardedOptimizer") == ["a._world", "b._pg", "c._x", "d._y", "opt._shards"]
+
+
+def test_the_branch_counter_counts_every_kind_of_decision():
+    """Each kind of decision point counts once (a comprehension's condition and each extra operand too)."""
+    source = (
+        "def f(x):\n"
+        "    if x and x or x:\n"  # if, and, or
+        "        pass\n"
+        "    for i in x:\n"
+        "        while i:\n"
+        "            i = 1 if i else 2\n"
+        "    try:\n"
+        "        assert x\n"
+        "    except ValueError:\n"
+        "        pass\n"
+        "    match x:\n"
+        "        case 1:\n"
+        "            pass\n"
+        "    return [y for y in x if y]\n"  # comprehension, its condition
+    )
+    assert branch_points(ast.parse(source)) == 11

@@ -1,0 +1,133 @@
+"""The local step of :class:`~flatten_parametrize.ShardedOptimizer`: the inner optimizer over the shards.
+
+:class:`LocalStep` steps the inner optimizer (any element-wise ``torch.optim``
+class) with the outer param groups' hyperparameters, creates its state the way
+``torch.distributed.checkpoint`` does for a fresh optimizer, maps its state to
+the flat parameters, and clips the shards' gradients by the global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .sharded_args import hyperparameters
+from .sharded_collectives import Collectives
+from .sharded_partition import Partition
+
+__all__ = ["LocalStep"]
+
+
+class LocalStep:
+    """The inner optimizer over this rank's shards.
+
+    Args:
+        optimizer: the inner optimizer, over the shards' parameters.
+        ownership: who owns which slice (this rank's shards).
+        shard_gradients: ZeRO-2 (the shards' gradients are their own memory).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, ownership: Partition, shard_gradients: bool) -> None:
+        self.optimizer = optimizer
+        self._ownership = ownership
+        self._shard_gradients = shard_gradients
+
+    def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
+        """Step the inner optimizer with the hyperparameters of ``outer_groups`` (an LR scheduler's)."""
+        for outer, inner in zip(outer_groups, self.optimizer.param_groups):
+            inner.update(hyperparameters(outer))
+        self.optimizer.step()
+
+    def state_by_flat(self) -> dict[Tensor, dict[str, Any]]:
+        """Return ``{flat parameter: the inner optimizer's state of its shard}`` for the shards with state."""
+        inner = self.optimizer.state
+        return {shard.flat: inner[shard.param] for shard in self._ownership.shards if inner.get(shard.param)}
+
+    def init_state(self) -> bool:
+        """Create this rank's state as a step with zero gradients and ``lr=0`` would, changing no weight.
+
+        What ``torch.distributed.checkpoint`` does to a fresh optimizer before
+        it loads one (``_init_optim_state``), for the inner optimizer over the
+        slices; a no-op once there is state or a slice has a gradient. No
+        collective.
+
+        Returns:
+            Whether it created the state.
+        """
+        inner = self.optimizer
+        shards = self._ownership.shards
+        if inner.state or any(s.param.grad is not None for s in shards):
+            return False
+        for shard in shards:
+            shard.param.grad = torch.zeros_like(shard.param)
+        lrs = []
+        for group in inner.param_groups:
+            lrs.append(group.get("lr"))
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
+        try:
+            inner.step()
+        finally:
+            for group, lr in zip(inner.param_groups, lrs):
+                if lr is not None:
+                    group["lr"] = lr
+            inner.zero_grad(set_to_none=True)
+        for shard in shards:
+            if shard.shadow:
+                shard.bind()  # the padded copy holds the flat buffer's values again
+        return True
+
+    def clip_grad_norm_(
+        self,
+        comm: Collectives,
+        device: Callable[[], torch.device],
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+    ) -> Tensor:
+        """Clip the shards' gradients by their norm over every rank (``ShardedOptimizer.clip_grad_norm_``).
+
+        ``device`` gives the device of the norm's all-reduce.
+
+        Raises:
+            ValueError: if ``norm_type`` is not positive.
+            RuntimeError: if ``error_if_nonfinite`` and the norm is not finite.
+        """
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(
+                f"clip_grad_norm_(): norm_type must be a positive number or inf; got {norm_type!r}; "
+                "pass e.g. norm_type=2.0"
+            )
+        shards = self._ownership.shards
+        grads = [s.param.grad for s in shards if s.param.grad is not None]
+        if math.isinf(p):
+            local = max(
+                (g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64)
+            )
+        else:
+            local = sum(
+                (torch.linalg.vector_norm(g.detach(), p, dtype=torch.float64) ** p for g in grads),
+                torch.zeros((), dtype=torch.float64),
+            )
+        total = comm.total_norm(local, p, device())
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from the ShardedOptimizer is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        scaled = [
+            s.param.grad for s in shards if s.param.grad is not None and (self._shard_gradients or s.shadow)
+        ]
+        if not self._shard_gradients:
+            scaled += [s.flat.grad for s in shards if s.flat.grad is not None]
+        for grad in scaled:
+            grad.detach().mul_(coef.to(grad.device, grad.dtype))
+        dtype = grads[0].dtype if grads else torch.float32
+        return total.to(dtype)

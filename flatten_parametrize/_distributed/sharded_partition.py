@@ -1,0 +1,150 @@
+"""Who owns which part of each flat parameter in a :class:`~flatten_parametrize.ShardedOptimizer`.
+
+The ownership rule is an object behind the :class:`Partition` protocol: the
+collectives (``sharded_collectives.py``), the backward reductions
+(``sharded_reducer.py``), the local step (``sharded_local.py``) and the state
+conversion (``sharded_state.py``) read only what it says: for each flat
+parameter, the :class:`Shard` with each rank's element range and this rank's
+parameter for the inner optimizer. :class:`SliceOwnership` is the rule of
+ZeRO-1/2: rank ``r`` owns the ``r``-th of ``W`` equal contiguous slices of
+every flat parameter. Another rule (e.g. whole tensors per rank) is another
+implementation of :class:`Partition`; what its shards must still give: the
+by-owner collectives need only each rank's range (``Shard.bounds``), while
+the one-buffer collectives (NCCL) and the per-rank state format also assume
+equal slices of ``Shard.chunk`` elements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from .shard import Shard
+
+__all__ = ["Partition", "SliceOwnership"]
+
+
+class Partition(Protocol):
+    """An ownership rule.
+
+    ``sharded.py`` builds it and calls all of it; the collectives, the
+    reducer, the local step and the state conversion read only ``world``,
+    ``rank``, ``shards``, ``shard_of`` and ``index_of``.
+    """
+
+    #: The number of ranks the flat parameters are cut over.
+    world: int
+    #: This rank's index among them.
+    rank: int
+
+    @property
+    def shards(self) -> Sequence[Shard]:
+        """This rank's shards, in the storage's group order (the order collectives start in on every rank)."""
+        ...
+
+    def shard_of(self, flat: Tensor) -> Shard | None:
+        """Return this rank's shard of ``flat`` (``None``: not sharded here)."""
+        ...
+
+    def index_of(self, flat: Tensor) -> int | None:
+        """Return the position of ``flat``'s shard in :attr:`shards` (``None``: not sharded here)."""
+        ...
+
+    def add(self, flat_params: Sequence[Tensor], flats: Sequence[Tensor]) -> list[Tensor]:
+        """Shard the trainable flat parameters of ``flats``; return the inner optimizer's parameters."""
+        ...
+
+    def bind(self) -> None:
+        """Point every shard at its flat buffer's current memory."""
+        ...
+
+    def follow(
+        self, flats: Sequence[Tensor], names: Sequence[str], strict: bool
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Follow replaced or moved flat parameters; return the ``(old, new)`` replaced."""
+        ...
+
+
+class SliceOwnership:
+    """Rank ``r`` owns the ``r``-th of ``world`` contiguous slices of every trainable flat parameter.
+
+    Args:
+        world: the number of ranks.
+        rank: this rank.
+    """
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self._shards: list[Shard] = []
+
+    @property
+    def shards(self) -> Sequence[Shard]:
+        """This rank's slices, in the storage's group order."""
+        return self._shards
+
+    def shard_of(self, flat: Tensor) -> Shard | None:
+        """Return this rank's slice of ``flat`` (``None``: not sliced here)."""
+        return next((s for s in self._shards if s.flat is flat), None)
+
+    def index_of(self, flat: Tensor) -> int | None:
+        """Return the position of ``flat``'s slice in :attr:`shards` (``None``: not sliced here)."""
+        return next((i for i, s in enumerate(self._shards) if s.flat is flat), None)
+
+    def add(self, flat_params: Sequence[Tensor], flats: Sequence[Tensor]) -> list[Tensor]:
+        """Slice each trainable flat parameter of ``flats``; return the inner parameters, in ``flats`` order.
+
+        Args:
+            flat_params: every flat parameter of the storage, in group order.
+            flats: the ones to slice (those that do not require grad get no slice).
+        """
+        new = [
+            Shard(g, flat, self.rank, self.world)
+            for g, flat in enumerate(flat_params)
+            if flat.requires_grad and any(flat is f for f in flats)
+        ]
+        self._shards = sorted(self._shards + new, key=lambda s: s.g)
+        by_flat = {id(s.flat): s for s in new}
+        return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
+
+    def bind(self) -> None:
+        """Point every slice at its flat buffer's current memory (or refresh its padded copy)."""
+        for shard in self._shards:
+            shard.bind()
+
+    def follow(
+        self, flats: Sequence[Tensor], names: Sequence[str], strict: bool
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Follow flat parameters replaced or moved to other memory; return the ``(old, new)`` replaced.
+
+        A flat parameter converted to another dtype or moved to another
+        device cannot be followed (the slices are the old one's): raise
+        (``strict``) or leave it.
+
+        Args:
+            flats: the storage's flat parameters now, in group order.
+            names: the storage's group names (for the error).
+            strict: raise on a flat parameter that cannot be followed.
+
+        Raises:
+            RuntimeError: if ``strict`` and a flat parameter changed dtype or device.
+        """
+        replaced = []
+        for shard in self._shards:
+            flat = flats[shard.g]
+            if flat.dtype != shard.param.dtype or flat.device != shard.param.device:
+                if not strict:
+                    continue
+                raise RuntimeError(
+                    f"ShardedOptimizer: flat parameter {names[shard.g]!r} moved to "
+                    f"{flat.dtype} on {flat.device} after the optimizer was built for {shard.param.dtype} on "
+                    f"{shard.param.device}; build the optimizer after model.to(...)"
+                )
+            if flat is not shard.flat:
+                replaced.append((shard.flat, flat))
+                shard.flat = flat
+            if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
+                shard.bind()  # new memory, or values written into a padded slice's range (a load)
+        return replaced

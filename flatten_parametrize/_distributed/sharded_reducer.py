@@ -1,0 +1,154 @@
+"""The gradient path of :class:`~flatten_parametrize.ShardedOptimizer` during backward.
+
+A post-accumulate-grad hook on each sliced flat parameter (:func:`ready_hook`)
+tells the :class:`Reducer` that its gradient is final for this backward; the
+reducer starts the reductions in the storage's group order on every rank
+(``bucket_cap_mb`` buckets are numbered in the order backward finishes them),
+and an autograd-engine callback finishes every reduction when backward ends.
+With ``shard_gradients=True`` (ZeRO-2) only this rank's averaged slice is
+kept and the full flat gradient is freed (one full gradient in flight at a
+time); with ``False`` (ZeRO-1) the whole flat gradient is averaged and the
+slice's gradient is a view of it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor
+
+from .engine import current_node, graph_task_id, queue_callback
+from .shard import Shard
+from .sharded_member import live_core
+
+if TYPE_CHECKING:
+    from .._core.records import Coordinator
+    from .sharded_collectives import Collectives
+    from .sharded_partition import Partition
+
+__all__ = ["Pending", "Reducer", "ready_hook"]
+
+#: A reduction in flight: the shard, the collectives' handles, the tensor that receives the sum.
+Pending = tuple[Shard, list[Any], Tensor]
+
+
+class Reducer:
+    """Reduce each sliced flat gradient to its owners as soon as backward finishes it.
+
+    Args:
+        core: the storage's core (held weakly).
+        ownership: who owns which slice.
+        collectives: the process group's collectives.
+        shard_gradients: keep only this rank's slice of each gradient (ZeRO-2).
+    """
+
+    def __init__(
+        self, core: Coordinator, ownership: Partition, collectives: Collectives, shard_gradients: bool
+    ) -> None:
+        self._core_ref = weakref.ref(core)
+        self._ownership = ownership
+        self._comm = collectives
+        self._shard_gradients = shard_gradients
+        self._begin(None)
+
+    def _begin(self, task: int | None) -> None:
+        """Forget the previous backward (an aborted one included) and start ``task``."""
+        self._task = task
+        self._ready: set[int] = set()
+        self._next = 0
+        #: The reductions started and not finished yet, in start order.
+        self.pending: list[Pending] = []
+
+    def grad_ready(self, flat: Tensor) -> None:
+        """Hook body: ``flat``'s gradient is final for this backward."""
+        core = self._core_ref()
+        if core is None or core.no_sync_depth:
+            return
+        index = self._ownership.index_of(flat)
+        if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
+            return
+        task = graph_task_id()
+        if self._task != task:
+            self._begin(task)
+            queue_callback(self._backward_end)
+        self._ready.add(index)
+        self._launch(final=False)
+
+    def _launch(self, final: bool) -> None:
+        """Start the reductions next in storage order that are ready (every one if ``final``)."""
+        shards = self._ownership.shards
+        while self._next < len(shards):
+            if not (final or self._next in self._ready):
+                return
+            if self._shard_gradients:
+                self.finish()  # one full gradient in flight at a time
+            self.pending.append(self.start(shards[self._next]))
+            self._next += 1
+
+    def start(self, shard: Shard) -> Pending:
+        """Start reducing ``shard``'s flat gradient (zeros where this rank has none)."""
+        flat = shard.flat
+        grad = flat.grad
+        if grad is None:
+            grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+        elif not grad.is_contiguous():
+            grad = grad.contiguous()
+        grad, full = self._in_reduce_dtype(shard, grad), grad
+        if not self._shard_gradients:
+            flat.grad = full
+            return (shard, *self._comm.all_reduce_mean(grad))
+        flat.grad = None  # this rank keeps its slice only
+        return (shard, *self._comm.reduce_to_owners(shard, grad))
+
+    def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
+        """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
+        dtype = live_core(self._core_ref).groups()[shard.g].grad_buffer.reduce_dtype
+        return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
+
+    def finish(self) -> None:
+        """Wait for the reductions in flight and hand each slice its averaged gradient."""
+        pending, self.pending = self.pending, []
+        world = self._comm.world
+        for shard, works, grad in pending:
+            for work in works:
+                work.wait()
+            if grad.dtype != shard.flat.dtype:  # reduced in the group's reduce dtype
+                grad = grad.to(shard.flat.dtype)
+                if not self._shard_gradients and shard.flat.grad is not None:
+                    shard.flat.grad.copy_(grad)
+            if not self._shard_gradients:
+                shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
+            elif self._comm.by_owner:
+                shard.set_grad(grad[shard.lo : shard.hi] / world, accumulate=True)
+            else:
+                shard.set_grad(grad.div_(world), accumulate=True)
+
+    def _backward_end(self) -> None:
+        """Engine callback: start what is left, wait for every reduction."""
+        enclosing = current_node()
+        if enclosing is not None:
+            self._begin(None)
+            raise RuntimeError(
+                "ShardedOptimizer needs each flat gradient to be produced by the outermost backward; one "
+                f"came from a nested (reentrant) backward run by {type(enclosing).__name__}, e.g. "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=True); pass use_reentrant=False"
+            )
+        try:
+            self._launch(final=True)
+            self.finish()
+        finally:
+            self._begin(None)
+
+
+def ready_hook(reducer: Reducer) -> Callable[[Tensor], None]:
+    """Return a post-accumulate-grad hook that tells ``reducer`` (held weakly) a flat gradient is final."""
+    ref = weakref.ref(reducer)
+
+    def hook(flat: Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live.grad_ready(flat)
+
+    return hook
