@@ -6,7 +6,7 @@ once its module is imported, keeps the original's name, docstring, signature and
 gives the original's result on a model without a flattened storage, and works beside a user's
 own wrapper of the same function, installed before or after it. With
 ``FLATTEN_PARAMETRIZE_NO_PATCHES`` set, a fresh interpreter wraps none and has no finder of
-ours on ``sys.meta_path``.
+ours on ``sys.meta_path``. ``docs/outside-code.md`` lists exactly the registry.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from flatten_parametrize._outside import OUTSIDE, SWITCH, OutsideWrapper, switch
 from _helpers import mlp
 
 ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "outside-code.md"
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Deprecation. TorchAODType is deprecated",
@@ -370,3 +371,31 @@ def test_with_the_switch_set_a_fresh_interpreter_wraps_nothing_and_installs_no_f
     on = _probe(None)  # the same probe without the switch: every function found is wrapped
     assert on["wrapped"].keys() == off["wrapped"].keys()
     assert all(on["wrapped"].values()), on["wrapped"]
+
+
+# ----------------------------------------------------------------------------------------- the page
+
+
+def page_section(wrapper: OutsideWrapper) -> str:
+    """The Markdown section of ``docs/outside-code.md`` that says what ``wrapper`` wraps."""
+    functions = ", ".join(f"`{module}.{function}`" for module, function in wrapper.functions)
+    return "\n".join(
+        [
+            f"### {wrapper.feature}",
+            "",
+            f"- **Wraps**: {functions}.",
+            f"- **Why**: {wrapper.why}.",
+            f"- **With a flattened storage**: {wrapper.changes}.",
+            f"- **Unchanged**: models without a flattened storage; {wrapper.unchanged}.",
+            f"- **With `{SWITCH}=1`**: {wrapper.switched_off}.",
+        ]
+    )
+
+
+def test_the_page_lists_every_wrapper_of_the_registry_and_no_other() -> None:
+    """docs/outside-code.md has one section per registry entry, as ``page_section`` writes it."""
+    text = PAGE.read_text()
+    for wrapper in OUTSIDE:
+        assert page_section(wrapper) in text, f"docs/outside-code.md should hold:\n\n{page_section(wrapper)}"
+    features = [line[4:] for line in text.splitlines() if line.startswith("### ")]
+    assert features == [wrapper.feature for wrapper in OUTSIDE]
