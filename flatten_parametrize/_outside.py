@@ -36,7 +36,7 @@ SWITCH = "FLATTEN_PARAMETRIZE_NO_PATCHES"
 class OutsideWrapper:
     """The functions of outside code that one feature of the library wraps."""
 
-    #: What the wrappers give (the first column of the page's table).
+    #: What the wrappers give (the heading of its section in ``docs/outside-code.md``).
     feature: str
     #: ``(module, function)`` of each function wrapped (a method as ``Class.method``).
     functions: tuple[tuple[str, str], ...]
@@ -49,7 +49,7 @@ class OutsideWrapper:
     #: What stays the original's besides models without a flattened storage.
     unchanged: str
     #: With :data:`SWITCH` set: the explicit way to the feature, or the limitation.
-    switched_off: str
+    left_out: str
     #: Wrapped only where ``torch.distributed`` is available.
     distributed: bool = False
 
@@ -94,11 +94,11 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "`ShardedOptimizer` initializes its own state; a flattened name maps without reading its view"
         ),
         unchanged="every option (`strict`, `full_state_dict`, resharding, `flatten_optimizer_state_dict`)",
-        switched_off=(
+        left_out=(
             "DCP sees the flat parameters (`flat_param_0`): save `model.state_dict()` (the plain names) and "
-            "`plain_optim_state_dict(storage, optimizer.state_dict())` or an attached optimizer's "
-            "`state_dict()` with `dcp.save`; DCP state dicts of a `ShardedOptimizer` or of FSDP2's optimizer "
-            "state in the plain names have no explicit call"
+            "`plain_optim_state_dict(storage, optimizer.state_dict())` with `dcp.save` (an attached "
+            "optimizer's `state_dict()` has that form already; a `ShardedOptimizer`'s gathers its state, on "
+            "every rank); that path was not tested under FSDP2"
         ),
         distributed=True,
     ),
@@ -117,7 +117,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "wrapper alone (the function it wraps is not called)"
         ),
         unchanged="a call with `optim` or `optim_input`",
-        switched_off="no explicit call: re-keying a flattened model numbers its flat parameters",
+        left_out="no explicit call: re-keying a flattened model numbers its flat parameters",
         distributed=True,
     ),
     OutsideWrapper(
@@ -133,7 +133,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "storage loads them with one `set_model_state_dict(..., broadcast_from_rank0=True)`"
         ),
         unchanged="every other entry of the file, loaded by Lightning's own loop; models without DTensors",
-        switched_off=(
+        left_out=(
             "no explicit call: `ModelParallelStrategy(save_distributed_checkpoint=False)` cannot resume a "
             "flattened model"
         ),
@@ -152,7 +152,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "undecayed; the groups returned are the original's"
         ),
         unchanged="the groups, in every case",
-        switched_off="no warning: build the groups with `weight_decay_groups` (the fix the warning gives)",
+        left_out="no warning: build the groups with `weight_decay_groups` (the fix the warning gives)",
     ),
     OutsideWrapper(
         feature="torchao's module swaps on the plain model",
@@ -171,7 +171,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "keeps its slot, a quantized weight leaves the storage with a warning"
         ),
         unchanged="a model in per-tensor mode; a call nested in a wrapped one",
-        switched_off="call them inside `with storage.unflattened():` yourself",
+        left_out="call them inside `with storage.unflattened():` yourself",
     ),
 )
 

@@ -387,7 +387,7 @@ def page_section(wrapper: OutsideWrapper) -> str:
             f"- **Why**: {wrapper.why}.",
             f"- **With a flattened storage**: {wrapper.changes}.",
             f"- **Unchanged**: models without a flattened storage; {wrapper.unchanged}.",
-            f"- **With `{SWITCH}=1`**: {wrapper.switched_off}.",
+            f"- **With `{SWITCH}=1`**: {wrapper.left_out}.",
         ]
     )
 
