@@ -132,8 +132,9 @@ def _dcp_round_trip() -> tuple[Any, Any, Any]:
 
 def test_dcp_state_dicts_of_a_plain_model_are_the_originals(originals: Any) -> None:
     got = _dcp_round_trip()
-    for name in OUTSIDE[0].functions:
-        originals(dsd, name[1])
+    (dcp,) = [w for w in OUTSIDE if dsd.__name__ in w.modules]
+    for _, name in dcp.functions:
+        originals(dsd, name)
     assert not is_ours(dsd._get_optim_state_dict)
     expected = _dcp_round_trip()
     assert _same(got, expected)
@@ -235,7 +236,7 @@ def _counting(function: Callable[..., Any], calls: list[str]) -> Callable[..., A
 
 
 class UsersWrapper:
-    """``wrap(wrapper, module, name)``: a user's wrapper of ``module.name``, put after or before ours."""
+    """``wrap(module, name)``: a user's wrapper of ``module.name``, put after or before ours."""
 
     def __init__(self, order: str, monkeypatch: pytest.MonkeyPatch) -> None:
         self.order = order
@@ -243,7 +244,7 @@ class UsersWrapper:
         #: The name of the function each call of the user's wrapper went to.
         self.calls: list[str] = []
 
-    def __call__(self, wrapper: OutsideWrapper, module: ModuleType, name: str) -> list[str]:
+    def __call__(self, module: ModuleType, name: str) -> list[str]:
         owner, attr = _owner(module, name)
         raw = owner.__dict__[attr]
         static = isinstance(raw, staticmethod)
@@ -251,7 +252,8 @@ class UsersWrapper:
         users = _counting(ours if self.order == "after ours" else ours.__wrapped__, self.calls)
         self.monkeypatch.setattr(owner, attr, staticmethod(users) if static else users)
         if self.order == "before ours":
-            wrapper.patch(module)  # ours wraps theirs (as when their module is imported after ours)
+            (patch,) = {w.patch for w in OUTSIDE if module.__name__ in w.modules}
+            patch(module)  # ours wraps theirs (as when their module is imported after ours)
             assert getattr(owner, attr).__wrapped__ is users, "ours did not wrap the user's wrapper"
         return self.calls
 
@@ -268,7 +270,7 @@ def _flat_model() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def test_dcp_works_beside_a_users_wrapper(users_wrapper: UsersWrapper) -> None:
-    calls = users_wrapper(OUTSIDE[0], dsd, "_get_optim_state_dict")
+    calls = users_wrapper(dsd, "_get_optim_state_dict")
     model, opt = _flat_model()
     model_state, optim_state = dsd.get_state_dict(model, opt)
     assert calls == ["_get_optim_state_dict"]
@@ -278,7 +280,7 @@ def test_dcp_works_beside_a_users_wrapper(users_wrapper: UsersWrapper) -> None:
 
 def test_fsdps_rekey_works_beside_a_users_wrapper(users_wrapper: UsersWrapper) -> None:
     module = importlib.import_module("torch.distributed.fsdp.fully_sharded_data_parallel")
-    calls = users_wrapper(OUTSIDE[1], module, "FullyShardedDataParallel.rekey_optim_state_dict")
+    calls = users_wrapper(module, "FullyShardedDataParallel.rekey_optim_state_dict")
     model, _ = _flat_model()
     plain = mlp(depth=2, width=4, seed=0)
     by_id = _trained(plain).state_dict()
@@ -294,7 +296,7 @@ def test_fsdps_rekey_works_beside_a_users_wrapper(users_wrapper: UsersWrapper) -
 def test_lightnings_loader_works_beside_a_users_wrapper(users_wrapper: UsersWrapper) -> None:
     from lightning.fabric.strategies import model_parallel
 
-    calls = users_wrapper(OUTSIDE[2], model_parallel, "_load_raw_module_state")
+    calls = users_wrapper(model_parallel, "_load_raw_module_state")
     source = mlp(depth=2, width=4, seed=0).state_dict()
     model = mlp(depth=2, width=4, seed=1)
     model_parallel._load_raw_module_state(source, model)
@@ -305,7 +307,7 @@ def test_lightnings_loader_works_beside_a_users_wrapper(users_wrapper: UsersWrap
 @pytest.mark.parametrize("call", ["quantize_", "convert_to_float8_training", "QAT prepare"])
 def test_torchaos_swaps_work_beside_a_users_wrapper(call: str, users_wrapper: UsersWrapper) -> None:
     module, function, run = _torchao_calls()[call]
-    calls = users_wrapper(OUTSIDE[4], importlib.import_module(module), function)
+    calls = users_wrapper(importlib.import_module(module), function)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
     storage = register_flat_storage(model)
