@@ -15,8 +15,8 @@ re-exported here). Dependencies run one way, downwards in this list, and
   pickle path), ``_demo.py``;
 * ``_distributed/``: gradient sync and ``ShardedOptimizer`` with its
   checkpoints, and what lets ``torch.distributed.checkpoint`` and Lightning's
-  checkpoints see a flattened storage as the plain model (installed when
-  those modules are imported); ``_features/``: disk backing, ensembles and
+  checkpoints see a flattened storage as the plain model (wrappers that
+  ``_outside.py`` installs); ``_features/``: disk backing, ensembles and
   mixed precision;
   ``_inspect/``: summary, repr and plot. Each uses ``_core`` (and
   ``_distributed`` uses ``_state``), never ``_install`` or each other;
@@ -33,33 +33,28 @@ re-exported here). Dependencies run one way, downwards in this list, and
   protocols (the coordinator's read API, the feature lifecycle, the
   flat-gradient hook), the view cache (the hot path), gradients, write landing,
   transactions, the optimizer step checks (weight decay, element-wise math,
-  leaves of the other mode) and the patches of outside modules on their import
-  (timm's decay rule and torchao's module swaps here; DCP's and Lightning's in
-  ``_distributed/``).
+  leaves of the other mode), the wrappers of timm's decay rule and torchao's
+  module swaps, and what runs a wrapper when its outside module is imported.
+
+``_outside.py``, beside this file, lists every function of outside code that the
+package wraps (DCP's, FSDP's and Lightning's wrappers live in ``_distributed/``)
+and wraps them, called once below.
 """
 
 from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
-from ._core.timm_decay import install as _install_timm_decay
-from ._core.torchao_swaps import install as _install_torchao_swaps
 from ._decay import weight_decay_groups
-from ._distributed.dcp import install as _install_dcp
-from ._distributed.lightning_ckpt import install as _install_lightning_ckpt
 from ._distributed.sharded import ShardedOptimizer
+from ._outside import wrap_outside_code as _wrap_outside_code
 from ._state.attach_optim import OptimizerAttachment
 from ._state.optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
 
-# torch.distributed.checkpoint's state dicts see a flattened storage as the plain model (_distributed/dcp.py).
-_install_dcp()
-# Lightning's single-file checkpoints and FSDP's rekey_optim_state_dict too (_distributed/lightning_ckpt.py).
-_install_lightning_ckpt()
-# timm's weight-decay rule by ndim warns when applied to a flattened model (_core/timm_decay.py).
-_install_timm_decay()
-# torchao's module swaps and quantize_ run on the plain model in flat mode (_core/torchao_swaps.py).
-_install_torchao_swaps()
+# The functions of DCP, FSDP, Lightning, timm and torchao that _outside.py lists, each wrapped when its
+# module is imported; FLATTEN_PARAMETRIZE_NO_PATCHES=1 leaves them all out (docs/outside-code.md).
+_wrap_outside_code()
 
 __all__ = [
     # entry points

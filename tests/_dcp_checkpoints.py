@@ -28,6 +28,7 @@ from torch import nn
 
 import flatten_parametrize
 from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
+from flatten_parametrize._core.on_import import is_ours
 
 DCP_BEFORE = "torch.distributed.checkpoint.state_dict" in sys.modules  # False: the post-import wrap runs
 
@@ -287,7 +288,7 @@ def main(outdir: Path, mode: str) -> None:
     world = dist.get_world_size()
     import torch.distributed.checkpoint.state_dict as dsd
 
-    result: dict[str, Any] = {"world": world, "wrapped": hasattr(dsd._get_optim_state_dict, "__wrapped__")}
+    result: dict[str, Any] = {"world": world, "wrapped": is_ours(dsd._get_optim_state_dict)}
     result["library"] = flatten_parametrize.__file__
     result["dcp imported before"] = DCP_BEFORE
     if mode == "save":

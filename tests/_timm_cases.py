@@ -9,6 +9,8 @@ largest weight difference to the plain model and the warnings each first step ga
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import warnings
 from collections.abc import Callable
@@ -149,8 +151,56 @@ def _recipe(timm_optim: Any) -> dict[str, Any]:
     }
 
 
+def _wrapper(module: Any) -> dict[str, Any]:
+    """timm's ``param_groups_weight_decay`` as the package wraps it: the original's face and result, and a
+    user's own wrapper of it, put after or before the package's, called with the package's warning."""
+    from flatten_parametrize._outside import OUTSIDE
+
+    wrapped = module.param_groups_weight_decay
+    original = wrapped.__wrapped__
+    plain = _Net()
+    both = (wrapped, original)
+    out: dict[str, Any] = {
+        "face": [(f.__name__, f.__qualname__, f.__doc__, str(inspect.signature(f))) for f in both],
+        "groups": [_groups(f(plain, 0.05, no_weight_decay_list=("head.weight",))) for f in both],
+    }
+    (patch,) = [w.patch for w in OUTSIDE if w.functions[0][0] == module.__name__]
+    for order, under in (("after ours", wrapped), ("before ours", original)):
+        calls: list[str] = []
+        module.param_groups_weight_decay = _users_wrapper(under, calls)
+        if order == "before ours":
+            patch(module)  # the package's wrapper around the user's
+        flat = _Net()
+        register_flat_storage(flat)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            module.param_groups_weight_decay(flat, 0.05)
+        out[order] = {"calls": calls, "warnings": _ours(record)}
+        module.param_groups_weight_decay = wrapped
+    return out
+
+
+def _users_wrapper(function: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:
+    """A user's own wrapper of ``function``: records each call in ``calls``."""
+
+    @functools.wraps(function)
+    def users_wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append("user's")
+        return function(*args, **kwargs)
+
+    return users_wrapper
+
+
+def _groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups with each parameter by its ``id`` (the same objects compare equal)."""
+    return [{k: [id(p) for p in v] if k == "params" else v for k, v in group.items()} for group in groups]
+
+
 def main(folder: str, out: str) -> None:
-    """Put timm on ``sys.path`` (after defining torchvision's operators), run every case, save the results."""
+    """Put timm on ``sys.path`` (after defining torchvision's operators), run every case, save the results.
+
+    With ``FLATTEN_PARAMETRIZE_NO_PATCHES`` set, only whether timm's rule is wrapped is saved.
+    """
     sys.path.insert(0, folder)
     sys.path.insert(1, str(Path(__file__).resolve().parent))
     from _side_packages import define_torchvision_operators
@@ -159,8 +209,16 @@ def main(folder: str, out: str) -> None:
     import timm
     import timm.optim as timm_optim
 
+    from flatten_parametrize._core.on_import import is_ours
+    from flatten_parametrize._outside import switched_off
+
+    rule = sys.modules["timm.optim._param_groups"]
+    wrapped = {"wrapped": is_ours(rule.param_groups_weight_decay), "timm": timm.__version__}
+    if switched_off():
+        torch.save(wrapped, out)
+        return
     per_tensor, elementwise = _optimizers(timm_optim)
-    results: dict[str, Any] = {"timm": timm.__version__, "recipe": _recipe(timm_optim)}
+    results: dict[str, Any] = {**wrapped, "wrapper": _wrapper(rule), "recipe": _recipe(timm_optim)}
     for name, make in {**per_tensor, **elementwise}.items():
         results[name] = _case(make)
     results["per_tensor_names"] = list(per_tensor)

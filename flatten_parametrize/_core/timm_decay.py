@@ -10,14 +10,13 @@ no trace of the decay asked for, so the step check of ``decay_check.py``
 cannot see it. This wrapper looks where the rule is applied: it warns (the
 rule, the tensors, the fix) when ``weight_decay > 0`` was asked for a module
 whose flat parameters (in flat mode) hold matrices that then get no decay.
-It wraps ``timm.optim._param_groups.param_groups_weight_decay`` and the
-modules that imported it by name, as soon as timm's optimizer package is
-imported (``on_import.py``).
+:func:`patch` wraps ``timm.optim._param_groups.param_groups_weight_decay``
+and the modules that imported it by name (``flatten_parametrize/_outside.py``
+lists it and runs it as soon as timm's optimizer package is imported).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 from types import ModuleType
@@ -26,23 +25,17 @@ from typing import Any, Callable
 from torch import nn
 
 from .flat_parameter import FlatParameter
-from .on_import import when_imported
+from .on_import import is_ours, wrapper_of
 
-__all__ = ["install"]
+__all__ = ["patch"]
 
-_MODULE = "timm.optim._param_groups"
 _USERS = ("timm.optim._optim_factory", "timm.optim", "timm.optim.optim_factory")
-_WRAPPED = "_flatten_parametrize_wrapped"
 
 
-def install() -> None:
-    """Wrap timm's rule now if timm's optimizers are imported, else right after their import."""
-    when_imported(_MODULE, _patch)
-
-
-def _patch(module: ModuleType) -> None:
+def patch(module: ModuleType) -> None:
+    """Wrap timm's ``timm.optim._param_groups.param_groups_weight_decay`` and its imports by name, once."""
     original = getattr(module, "param_groups_weight_decay", None)
-    if original is None or getattr(original, _WRAPPED, False):
+    if original is None or is_ours(original):
         return
     wrapped = _wrap(original)
     module.param_groups_weight_decay = wrapped  # type: ignore[attr-defined]
@@ -53,7 +46,6 @@ def _patch(module: ModuleType) -> None:
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def param_groups_weight_decay(model: Any, weight_decay: Any = 1e-5, *args: Any, **kwargs: Any) -> Any:
         groups = original(model, weight_decay, *args, **kwargs)
         try:
@@ -64,8 +56,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             warnings.warn(message, UserWarning, stacklevel=2)
         return groups
 
-    setattr(param_groups_weight_decay, _WRAPPED, True)
-    return param_groups_weight_decay
+    return wrapper_of(original, param_groups_weight_decay)
 
 
 def _message(model: Any, weight_decay: Any, groups: Any) -> str | None:

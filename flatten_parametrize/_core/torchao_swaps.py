@@ -11,8 +11,9 @@ called on a module that holds a flattened storage in flat mode, runs inside
 ``storage.unflattened()``, where the model is a plain one: when the block ends,
 a swapped-in module that re-hosts a parameter takes over its slot (a change of
 owner: same flat parameters, no dead space) and a quantized weight leaves the
-storage with a warning (``_install/rehost.py``). The wrappers are installed as
-soon as torchao's modules are imported (``on_import.py``).
+storage with a warning (``_install/rehost.py``). :func:`patch` wraps them
+(``flatten_parametrize/_outside.py`` lists them and runs it as soon as
+torchao's modules are imported).
 
 What is wrapped is what those entry points call through their module's
 globals (``quant_api._replace_with_custom_fn_if_matches_filter``, the walk
@@ -24,7 +25,6 @@ recurses) runs as is.
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from contextlib import ExitStack
@@ -34,11 +34,9 @@ from typing import Any, Callable
 from torch import nn
 
 from .names import library_state, registered_storage
-from .on_import import when_imported
+from .on_import import is_ours, wrapper_of
 
-__all__ = ["flat_storages_in", "install"]
-
-_WRAPPED = "_flatten_parametrize_wrapped"
+__all__ = ["flat_storages_in", "patch"]
 
 #: module -> the function that its entry points call to change the model (its first argument).
 _FUNCTIONS = {
@@ -49,15 +47,6 @@ _FUNCTIONS = {
 _DEAD_SPACE = "a submodule replaced after registration leaves"
 #: Depth of wrapped calls running in this thread (a nested one runs as is).
 _running = threading.local()
-#: The module of the legacy QAT quantizers, whose ``prepare`` and ``convert`` swap modules.
-_QUANTIZERS = "torchao.quantization.qat.linear"
-
-
-def install() -> None:
-    """Wrap torchao's entry points now if they are imported, else right after their import."""
-    for name in _FUNCTIONS:
-        when_imported(name, _patch_function)
-    when_imported(_QUANTIZERS, _patch_quantizers)
 
 
 def flat_storages_in(model: Any) -> list[Any]:
@@ -74,7 +63,6 @@ def flat_storages_in(model: Any) -> list[Any]:
 
 
 def _wrap(original: Callable[..., Any], model_at: int) -> Callable[..., Any]:
-    @functools.wraps(original)
     def swap_on_plain_model(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_running, "depth", 0)
         model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
@@ -91,14 +79,17 @@ def _wrap(original: Callable[..., Any], model_at: int) -> Callable[..., Any]:
         finally:
             _running.depth = depth
 
-    setattr(swap_on_plain_model, _WRAPPED, True)
-    return swap_on_plain_model
+    return wrapper_of(original, swap_on_plain_model)
 
 
-def _patch_function(module: ModuleType) -> None:
-    name = _FUNCTIONS[module.__name__]
+def patch(module: ModuleType) -> None:
+    """Wrap the entry point of torchao's ``module`` (the legacy QAT quantizers' methods in theirs), once."""
+    name = _FUNCTIONS.get(module.__name__)
+    if name is None:
+        _patch_quantizers(module)
+        return
     original = getattr(module, name, None)
-    if callable(original) and not getattr(original, _WRAPPED, False):
+    if callable(original) and not is_ours(original):
         setattr(module, name, _wrap(original, 0))
 
 
@@ -108,5 +99,5 @@ def _patch_quantizers(module: ModuleType) -> None:
             continue
         for method in ("prepare", "convert"):
             original = cls.__dict__.get(method)
-            if callable(original) and not getattr(original, _WRAPPED, False):
+            if callable(original) and not is_ours(original):
                 setattr(cls, method, _wrap(original, 1))  # (self, model, ...)

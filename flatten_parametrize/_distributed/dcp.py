@@ -8,9 +8,10 @@ key: flat_param_0`` under DDP), and optimizer state would be keyed
 ``state.flat_param_0.exp_avg``, one tensor per group, so a checkpoint could
 not move between the plain and the flattened model.
 
-:func:`install` wraps six private functions of
-``torch.distributed.checkpoint.state_dict`` (when that module is imported,
-now or later) so that DCP sees a flattened storage as the plain model:
+:func:`patch` wraps six private functions of
+``torch.distributed.checkpoint.state_dict`` so that DCP sees a flattened
+storage as the plain model (``flatten_parametrize/_outside.py`` lists it and
+runs it when that module is imported, now or later):
 
 * ``_iterate_valid_model_state``: the model's state as the plain model's
   (each flattened name with its ``state_dict()`` value, in place of the flat
@@ -42,7 +43,6 @@ path unchanged.
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -55,14 +55,12 @@ from torch import Tensor, nn
 
 from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
-from .._core.on_import import when_imported
+from .._core.on_import import is_ours, wrapper_of
 from .._state.attach_optim import own_format
 from .sharded import ShardedOptimizer, init_state
 
-__all__ = ["install"]
+__all__ = ["patch"]
 
-#: The module whose functions are wrapped.
-TARGET = "torch.distributed.checkpoint.state_dict"
 #: The functions wrapped (all or none).
 _WRAPPED = (
     "_iterate_valid_model_state",
@@ -74,8 +72,6 @@ _WRAPPED = (
 )
 #: What the wrapped functions use besides.
 _USED = ("_flatten_optim_state_dict",)
-#: Attribute marking a wrapped function (with the original as its value).
-_MARK = "__flatten_parametrize_original__"
 
 _raw = threading.local()  # depth of DCP calls that must see the flat names (our own, nested)
 
@@ -440,21 +436,11 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any], ModuleType], Callable[..., An
 }
 
 
-def _patch(dsd: ModuleType) -> None:
+def patch(dsd: ModuleType) -> None:
     """Wrap the functions of ``dsd`` (DCP's ``state_dict`` module), once; none if one is missing."""
     if not all(callable(getattr(dsd, name, None)) for name in _WRAPPED + _USED):
         return  # another torch: leave DCP as it is rather than half wrapped
     for name in _WRAPPED:
         current = getattr(dsd, name)
-        if getattr(current, _MARK, None) is not None:
-            continue
-        wrapped = functools.wraps(current)(_WRAPPERS[name](current, dsd))
-        setattr(wrapped, _MARK, current)
-        setattr(dsd, name, wrapped)
-
-
-def install() -> None:
-    """Make DCP see flattened storages as the plain model: wrap its module now, or when it is imported."""
-    if not torch.distributed.is_available():
-        return
-    when_imported(TARGET, _patch)
+        if not is_ours(current):
+            setattr(dsd, name, wrapper_of(current, _WRAPPERS[name](current, dsd)))

@@ -14,7 +14,8 @@ the plain model's names), then finds the model's parameters by walking the modul
   broadcast from rank 0 with ``set_model_state_dict``: ``model.flat_param_0`` is not in a checkpoint
   written in the plain names.
 
-:func:`install` wraps both (when their modules are imported, now or later): the re-keying of a
+:func:`patch_fsdp` and :func:`patch_lightning` wrap them (``flatten_parametrize/_outside.py`` lists
+them and runs these when their modules are imported, now or later): the re-keying of a
 model with a flattened storage numbers the plain model's parameters in the plain model's
 ``named_parameters()`` order (so the file is the plain twin's, loadable in either form), and the
 loader checks the plain names as Lightning checks them (its ``KeyError`` under ``strict``, on
@@ -26,28 +27,16 @@ re-keying with an explicit ``optim`` or ``optim_input``, take the original code.
 from __future__ import annotations
 
 import copy
-import functools
 from types import ModuleType
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from .._core.names import flat_param_name, registered_storage
-from .._core.on_import import when_imported
+from .._core.on_import import is_ours, wrapper_of
 from .._state.optim import plain_parameter_names
 
-__all__ = ["install"]
-
-#: The FSDP module whose ``FullyShardedDataParallel.rekey_optim_state_dict`` is wrapped.
-FSDP_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
-#: Lightning's modules whose ``_load_raw_module_state`` is wrapped (the unified and the standalone package).
-LIGHTNING_MODULES = (
-    "lightning.fabric.strategies.model_parallel",
-    "lightning_fabric.strategies.model_parallel",
-)
-#: Attribute marking a wrapped function (with the original as its value).
-_MARK = "__flatten_parametrize_original__"
+__all__ = ["patch_fsdp", "patch_lightning"]
 
 
 def _storages(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
@@ -125,20 +114,14 @@ def _rekey(original: Callable[..., Any]) -> Callable[..., Any]:
             group["params"] = sorted(mapping[k] for k in group["params"])  # as torch does
         return new
 
-    return _marked(rekey_optim_state_dict, original)
+    return wrapper_of(original, rekey_optim_state_dict)
 
 
-def _marked(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    """Return ``wrapper`` with ``original``'s name and docstring, marked as the library's."""
-    wrapped = functools.wraps(original)(wrapper)
-    setattr(wrapped, _MARK, original)
-    return wrapped
-
-
-def _patch_fsdp(module: ModuleType) -> None:
+def patch_fsdp(module: ModuleType) -> None:
+    """Wrap ``FullyShardedDataParallel.rekey_optim_state_dict`` of FSDP's ``module``, once."""
     fsdp = getattr(module, "FullyShardedDataParallel", None)
     current = getattr(fsdp, "rekey_optim_state_dict", None)
-    if fsdp is None or not callable(current) or getattr(current, _MARK, None) is not None:
+    if fsdp is None or not callable(current) or is_ours(current):
         return
     fsdp.rekey_optim_state_dict = staticmethod(_rekey(current))
 
@@ -177,22 +160,14 @@ def _load_raw(original: Callable[..., Any], lightning: ModuleType) -> Callable[.
             found = {n: state_dict[start + n] for n in names if start + n in state_dict}
             set_model_state_dict(sub, found, options=options)
 
-    return _marked(_load_raw_module_state, original)
+    return wrapper_of(original, _load_raw_module_state)
 
 
-def _patch_lightning(module: ModuleType) -> None:
+def patch_lightning(module: ModuleType) -> None:
+    """Wrap ``_load_raw_module_state`` of Lightning's ``model_parallel`` ``module``, once."""
     needed = ("_load_raw_module_state", "_has_dtensor_modules", "_named_parameters_and_buffers_to_load")
     if not all(callable(getattr(module, name, None)) for name in needed):
         return  # another Lightning: leave it as it is
     current = module._load_raw_module_state
-    if getattr(current, _MARK, None) is None:
+    if not is_ours(current):
         module._load_raw_module_state = _load_raw(current, module)  # type: ignore[attr-defined]
-
-
-def install() -> None:
-    """Make FSDP's re-keying and Lightning's single-file loader see flattened storages as plain models."""
-    if not torch.distributed.is_available():
-        return
-    when_imported(FSDP_MODULE, _patch_fsdp)
-    for name in LIGHTNING_MODULES:
-        when_imported(name, _patch_lightning)

@@ -87,3 +87,32 @@ def test_the_weight_decay_recipe_with_timm_decays_the_plain_models_tensors_silen
     assert recipe["warnings"] == []
     assert recipe["decayed"] == recipe["decayed plain"] > 0
     assert recipe["diff"] == 0.0
+
+
+def test_the_wrapped_rule_is_timms_with_its_face_and_result_on_a_plain_model(
+    timm_results: dict[str, Any],
+) -> None:
+    """flatten_parametrize/_outside.py wraps param_groups_weight_decay: name, docstring, signature kept."""
+    assert timm_results["wrapped"] is True
+    wrapper = timm_results["wrapper"]
+    ours, timms = wrapper["face"]
+    assert ours == timms and ours[0] == "param_groups_weight_decay"
+    ours, timms = wrapper["groups"]
+    assert ours == timms and len(ours) == 2  # the same parameter objects in the same groups
+
+
+@pytest.mark.parametrize("order", ["after ours", "before ours"])
+def test_a_users_own_wrapper_of_the_rule_still_runs_beside_ours(
+    timm_results: dict[str, Any], order: str
+) -> None:
+    case = timm_results["wrapper"][order]
+    assert case["calls"] == ["user's"]
+    assert len(case["warnings"]) == 1 and case["warnings"][0].startswith("weight decay: a rule by p.dim()")
+
+
+def test_with_the_switch_set_timms_rule_is_not_wrapped(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLATTEN_PARAMETRIZE_NO_PATCHES", "1")
+    results = run_cases("_timm_cases.py", [timm_folder()], tmp_path / "off.pt")
+    assert results == {"wrapped": False, "timm": "1.0.31"}
