@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._core.grad import set_grad
+
 __all__ = ["Shard", "all_gather", "copy_value", "elementwise", "reduce_scatter"]
 
 #: The one-buffer collectives (newer torch names them ``*_single``).
@@ -75,11 +77,11 @@ class Shard:
         if accumulate and grad is not None:
             grad[: values.numel()].add_(values)
         elif values.numel() == self.chunk:
-            self.param.grad = values
+            set_grad(self.param, values)
         else:
             padded = torch.zeros_like(self.param)
             padded[: values.numel()].copy_(values)
-            self.param.grad = padded
+            set_grad(self.param, padded)
 
     def assemble(self, pieces: Iterable[tuple[int, Tensor]], like: Tensor) -> Tensor:
         """Return a new zero-padded slice built from ``(flat offset, values)`` pieces overlapping it."""

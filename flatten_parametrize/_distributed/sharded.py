@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .._core.grad import GradBuffer, check_sync, claim_sync
+from .._core.grad import GroupGrad, check_sync, claim_sync, set_grad
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
 from .engine import checked_process_group, current_node, graph_task_id, queue_callback
@@ -300,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if inner.state or any(s.param.grad is not None for s in self._shards):
             return
         for shard in self._shards:
-            shard.param.grad = torch.zeros_like(shard.param)
+            set_grad(shard.param, torch.zeros_like(shard.param))
         lrs = []
         for group in inner.param_groups:
             lrs.append(group.get("lr"))
@@ -391,12 +391,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             grad = grad.contiguous()
         grad, full = self._in_reduce_dtype(shard, grad), grad
         if not self._shard_gradients:
-            flat.grad = full
+            self._storage().groups()[shard.g].grads.assign(flat, full)
             if not self._nccl:
                 grad.div_(world)  # gloo has no average: divide, then sum
                 return shard, [dist.all_reduce(grad, group=pg, async_op=True)], grad
             return shard, [dist.all_reduce(grad, dist.ReduceOp.AVG, group=pg, async_op=True)], grad
-        flat.grad = None  # this rank keeps its slice only
+        self._storage().groups()[shard.g].grads.release(flat)  # this rank keeps its slice only
         if self._by_owner:
             works = []
             for owner in range(world):
@@ -412,7 +412,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
         """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
-        dtype = self._storage().groups()[shard.g].grad_buffer.reduce_dtype
+        dtype = self._storage().groups()[shard.g].grads.reduce_dtype
         return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
 
     def _finish(self) -> None:
@@ -730,8 +730,8 @@ def _synced(storage: Coordinator, flats: Iterable[Tensor]) -> list[Group]:
     return [g for g in storage.groups() if g.flat.requires_grad and any(g.flat is f for f in flats)]
 
 
-def _buffers(groups: Iterable[Group]) -> list[GradBuffer]:
-    return [group.grad_buffer for group in groups]
+def _buffers(groups: Iterable[Group]) -> list[GroupGrad]:
+    return [group.grads for group in groups]
 
 
 class _Member:
@@ -753,14 +753,14 @@ class _Member:
         #: ZeRO-2: the full flat gradients are dropped after backward (``FlatGradHook``).
         self.releases_gradient = releases_gradient
         #: Group index -> its gradient buffer, which calls this hook.
-        self.buffers: dict[int, GradBuffer] = {}
+        self.buffers: dict[int, GroupGrad] = {}
         #: Group index -> the optimizer's post-accumulate-grad hook on its flat parameter.
         self._handles: dict[int, RemovableHandle] = {}
         self._joined = False
 
     def watch(self, group: Group) -> None:
         """Be the flat-gradient hook of ``group``."""
-        buffer = self.buffers[group.index] = group.grad_buffer
+        buffer = self.buffers[group.index] = group.grads
         buffer.add_hook(self)
 
     def hook_flat(self, g: int, flat: Tensor, hook: Callable[[Tensor], None]) -> None:
