@@ -1,4 +1,4 @@
-"""Per-tensor mode (``_install/per_tensor.py``): unflattened leaves keep their gradients in the flat gradient.
+"""Per-tensor mode (``_core/leaf_grads.py``): unflattened leaves keep their gradients in the flat gradient.
 
 Each case trains a flattened model inside a persistent ``storage.unflatten()``
 against a plain twin from the same seed.
