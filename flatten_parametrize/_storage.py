@@ -567,9 +567,11 @@ class FlatStorage:
         * Groups that do not require grad are never reduced.
         * Inside :meth:`no_sync` nothing is reduced; gradients accumulate
           locally and the next synced backward averages the sum.
-        * Only backward passes in flat mode that reach the flat parameters
-          are synced: not ``using()`` substitutes, not the leaf parameters of
-          unflattened mode (call :meth:`all_reduce_grads` there).
+        * Backward passes that reach the flat parameters are synced, and in
+          unflattened mode those that reach the leaf parameters (their
+          gradients are reduced through the flat gradient at the end of
+          backward); ``using()`` substitutes are not (call
+          :meth:`all_reduce_grads` there).
         * Call ``backward`` once per step outside ``no_sync`` (a second
           synced backward reduces the already averaged gradient again).
           Reentrant activation checkpointing (``use_reentrant=True``) runs a

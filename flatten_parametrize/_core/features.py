@@ -58,10 +58,10 @@ checks their imports). The seams, all of them:
   what was written into the views (through ``.data`` too). ``group.views.cast``:
   the dtype the uncached paths (torch.compile, tracing, vmap) convert the flat
   tensor to.
-* **Reduce dtype**: ``group.grad_buffer.reduce_dtype``, the dtype in
+* **Reduce dtype**: ``group.grads.reduce_dtype``, the dtype in
   which gradient sync and ``ShardedOptimizer`` reduce the group's gradient.
-* **The autograd path**, per group, on ``group.grad_buffer``
-  (``grad.GradBuffer``): ``add_hook(h)`` / ``remove_hook(h)`` with a
+* **The autograd path**, per group, on ``group.grads``
+  (``grad.GroupGrad``): ``add_hook(h)`` / ``remove_hook(h)`` with a
   ``grad.FlatGradHook`` that sees each flat gradient while backward builds it
   (may have it divided, may return a converted one; ``releases_gradient``
   stops the buffer's memory reuse); and the sync claim (``claim_sync`` /

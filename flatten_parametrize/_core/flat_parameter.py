@@ -11,7 +11,7 @@ from torch import nn
 
 from .compiling import never_traced
 from .decay_check import watch_optimizers
-from .grad import BASE_GRAD, GradBuffer
+from .grad import BASE_GRAD, GroupGrad, set_grad
 
 __all__ = ["FlatParameter", "allow_weights_only_loads", "serve"]
 
@@ -35,8 +35,8 @@ class _Served(Protocol):
         """Drop the cached views: the flat buffer is about to be replaced."""
 
     @property
-    def grad_buffer(self) -> GradBuffer:
-        """The owner of the group's flat gradient (``_core/grad.py``)."""
+    def grads(self) -> GroupGrad:
+        """The owner of the group's gradient (``_core/grad.py``)."""
 
 
 def serve(flat: torch.Tensor, views: _Served) -> None:
@@ -182,24 +182,24 @@ class FlatParameter(nn.Parameter):
             views = _served(self)
             if views is not None:
                 views.sync()
-                return views.grad_buffer.read(self)  # in unflattened mode: the leaves' gradients
+                return views.grads.read(self)  # in unflattened mode: the leaves' gradients
         return BASE_GRAD.__get__(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
         views = _served(self)
         if views is not None:
-            views.grad_buffer.write(self, value)
+            views.grads.assign(self, value)
         else:
-            BASE_GRAD.__set__(self, value)
+            set_grad(self, value)
 
     @grad.deleter
     def grad(self) -> None:
         views = _served(self)
         if views is not None:
-            views.grad_buffer.write(self, None)
+            views.grads.release(self)
         else:
-            BASE_GRAD.__delete__(self)
+            set_grad(self, None)
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
         """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.

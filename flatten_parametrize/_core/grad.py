@@ -1,19 +1,36 @@
-"""The autograd path of a group: one node for all its views, and the memory and hooks of its flat gradient.
+"""The one owner of a group's gradient: :class:`GroupGrad`.
 
-:class:`_GroupSplit` makes every view of a group as the outputs of one
-autograd node; its backward builds the group's flat gradient in one go, in
-memory that :class:`GradBuffer` reuses across steps. The buffer also carries
-the group's :class:`FlatGradHook` objects, the seam where a feature sees each
-flat gradient as backward produces it (and may have it divided while it is
-built, or return a converted one), and the group's sync claim: who reduces
-its gradient across ranks (:func:`claim_sync`).
+Each group has one :class:`GroupGrad` (``Group.grads``), as each bucket of
+DDP's Reducer has one owner of its flat gradient. It knows its group's
+layout and holds, in one object:
+
+* the flat gradient (:meth:`GroupGrad.read`, :meth:`GroupGrad.assign`,
+  :meth:`GroupGrad.release`) and each member's view of it
+  (:meth:`GroupGrad.views`), in flat mode (torch's ``.grad`` slot of the
+  flat parameter) and in per-tensor mode, where the members are leaf
+  parameters whose gradients live in the flat gradient (``leaf_grads.py``);
+* the switches between the two (:meth:`GroupGrad.enter_leaves`,
+  :meth:`GroupGrad.exit_leaves`) and the gradients the module surgery hands
+  to and takes from the original parameters (:meth:`GroupGrad.gather`,
+  :meth:`GroupGrad.hand_out`, :meth:`GroupGrad.take_back`);
+* the memory that the group's autograd node (``split_node.py``) builds each
+  flat gradient in, reused across steps on CPU (:meth:`GroupGrad.take`);
+* the group's :class:`FlatGradHook` objects, the seam where a feature sees
+  each flat gradient as backward produces it (and may have it divided while
+  it is built, or return a converted one), the dtype gradients travel in
+  between ranks, and the sync claim: who reduces the gradient across ranks
+  (:func:`claim_sync`).
+
+This module and ``leaf_grads.py`` are the only ones that write a tensor's
+``.grad`` slot; the rest of the library goes through a group's
+:class:`GroupGrad`, or :func:`set_grad` for a tensor no group owns.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,22 +38,36 @@ import torch
 from torch import Tensor
 
 from .layout import GroupLayout
+from .leaf_grads import BASE_GRAD, LeafGrads
+from .transaction import Transaction
 
 __all__ = [
     "BASE_GRAD",
     "FlatGradHook",
-    "GradBuffer",
-    "GradKeeper",
+    "GroupGrad",
     "PRESCALE_MIN_SEGMENT_BYTES",
     "check_sync",
     "claim_sync",
+    "set_grad",
 ]
+
+
+class Member(Protocol):
+    """A member of a group as the gradient owner sees it (``records.Slot``)."""
+
+    @property
+    def index(self) -> int:
+        """Its position in the group's layout order."""
+
+    @property
+    def param(self) -> Tensor:
+        """Its original parameter (a leaf in unflattened mode)."""
 
 
 class FlatGradHook(Protocol):
     """Sees each flat gradient that a group's split node builds in backward ("flat gradient ready").
 
-    Hooks are registered per group with :meth:`GradBuffer.add_hook`. They run
+    Hooks are registered per group with :meth:`GroupGrad.add_hook`. They run
     on the autograd thread, inside backward, before the gradient is
     accumulated into ``flat.grad``; they must not keep the views or the module
     alive (the node that calls them may outlive both).
@@ -49,7 +80,7 @@ class FlatGradHook(Protocol):
     """
 
     #: Whether this hook's owner drops the full flat gradient after backward (ZeRO-2 keeps a slice
-    #: only): then the group's :class:`GradBuffer` keeps no memory to reuse, since a kept buffer
+    #: only): then the group's :class:`GroupGrad` keeps no memory to reuse, since a kept buffer
     #: would hold a whole gradient alive between steps.
     releases_gradient: bool
 
@@ -83,37 +114,21 @@ class _SyncClaim:
 PRESCALE_MIN_SEGMENT_BYTES = 16 * 1024
 
 
-#: torch's own ``Tensor.grad`` descriptor (``FlatParameter.grad`` extends it).
-BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
+class GroupGrad:
+    """The one owner of a group's gradient: the flat gradient, its views, memory, hooks and sync claim.
 
-
-class GradKeeper(Protocol):
-    """Who holds a group's flat gradient while its members are leaves (``_install/per_tensor.py``)."""
-
-    def flat_grad(self, flat: Tensor) -> Tensor | None:
-        """Return the flat gradient as the leaves have it."""
-
-    def set_flat_grad(self, flat: Tensor, value: Tensor | None) -> None:
-        """Assign the flat gradient (the leaves' gradients become views of it)."""
-
-
-class GradBuffer:
-    """One reusable CPU buffer for a group's flat gradient, the group's gradient hooks and its sync claim.
+    In flat mode the flat gradient is torch's ``.grad`` slot of the flat
+    parameter; in per-tensor mode (between :meth:`enter_leaves` and
+    :meth:`exit_leaves`) the members are leaf parameters whose gradients are
+    views of it, and :class:`~.leaf_grads.LeafGrads` keeps the two in step.
 
     Each backward builds the group's flat gradient as a new tensor; on CPU a
     fresh multi-megabyte allocation is served by new pages that the kernel
     zero-fills on first touch, every step. When memory kept from an earlier
     backward is no longer used (the gradient was dropped by
     ``zero_grad(set_to_none=True)``, or added into the kept ``.grad``),
-    backward writes into it again instead. It holds no reference to the views
-    or the module (it is reachable from autograd nodes).
-
-    It is the one owner of the group's flat gradient that the rest of the
-    library asks (``Group.grad_buffer``): :meth:`read` / :meth:`write` give and
-    take the flat gradient in either mode (in unflattened mode a *keeper*, the
-    per-tensor mode's ``_install/per_tensor.py``, holds it as the leaves'
-    gradients), and gradient sync, ``ShardedOptimizer`` and ZeRO-2's release
-    hook on :meth:`add_hook`.
+    backward writes into it again instead (:meth:`take`). It holds no
+    reference to the views or the module (it is reachable from autograd nodes).
 
     ``reduce_dtype`` is the dtype in which the gradient travels between ranks
     (the ``reduce_dtype`` of a mixed-precision policy; ``None``: its own).
@@ -122,15 +137,19 @@ class GradBuffer:
     across ranks (the storage's grad sync, or one ``ShardedOptimizer``): a
     second one would reduce it twice, so :meth:`claim_sync` refuses it with
     the holder's message. The holder is held weakly: its claim ends with it.
+
+    Args:
+        layout: the group's layout.
     """
 
-    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "keeper", "reduce_dtype")
+    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "layout", "leaves", "reduce_dtype")
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
     KEEP = 2
 
-    def __init__(self) -> None:
+    def __init__(self, layout: GroupLayout) -> None:
+        self.layout = layout
         self._lock = threading.Lock()
         self._kept: list[torch.UntypedStorage] = []
         #: Per kept storage: its dtype, a tensor per layout segment (slots in their shapes) and
@@ -146,24 +165,116 @@ class GradBuffer:
         #: The dtype in which gradient sync and ``ShardedOptimizer`` reduce this group's gradient
         #: across ranks (``None``: the gradient's own); a mixed-precision policy sets it.
         self.reduce_dtype: torch.dtype | None = None
-        #: Who holds the flat gradient while the members are leaf parameters (unflattened mode);
-        #: ``None``: the flat parameter's own ``.grad``.
-        self.keeper: GradKeeper | None = None
+        #: The members' leaf parameters and their hooks in per-tensor mode; ``None`` in flat mode.
+        self.leaves: LeafGrads | None = None
 
     # ------------------------------------------------------------ the flat gradient
     def read(self, flat: Tensor) -> Tensor | None:
-        """Return the flat gradient of ``flat`` (this group's flat parameter), or ``None``."""
-        keeper = self.keeper
-        return BASE_GRAD.__get__(flat) if keeper is None else keeper.flat_grad(flat)
+        """Return the flat gradient of ``flat`` (this group's flat parameter), or ``None``.
 
-    def write(self, flat: Tensor, value: Tensor | None) -> None:
-        """Make ``value`` the flat gradient of ``flat``; in unflattened mode the leaves' views of it."""
-        keeper = self.keeper
-        if keeper is None:
-            BASE_GRAD.__set__(flat, value)
-        else:
-            keeper.set_flat_grad(flat, value)
+        In per-tensor mode it is the leaves' gradients, landed in it first (``None`` while every
+        leaf's gradient is ``None``).
+        """
+        leaves = self.leaves
+        return BASE_GRAD.__get__(flat) if leaves is None else leaves.reconcile(flat)
 
+    def assign(self, flat: Tensor, value: Tensor | None) -> None:
+        """Make ``value`` the flat gradient of ``flat``; in per-tensor mode every leaf's gradient its view."""
+        set_grad(flat, value)
+        if self.leaves is not None:
+            self.leaves.point_at(value)
+
+    def release(self, flat: Tensor) -> None:
+        """Drop the flat gradient of ``flat`` (ZeRO-2 keeps this rank's slice only; ``del flat.grad``)."""
+        self.assign(flat, None)
+
+    def dense(self, flat: Tensor) -> Tensor:
+        """Return the flat gradient as a dense contiguous tensor, assigning zeros first if there is none."""
+        grad = self.read(flat)
+        if grad is None:
+            grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+            self.assign(flat, grad)
+        elif not grad.is_contiguous():
+            grad = grad.contiguous()
+            self.assign(flat, grad)
+        return grad
+
+    def split(self, tensor: Tensor) -> list[Tensor]:
+        """Return a view of each member, in layout order, of ``tensor`` (shaped like the flat parameter)."""
+        layout = self.layout
+        chunks = tensor.split(layout.split_sizes)
+        return [chunks[seg].view(shape) for seg, shape in zip(layout.segments, layout.shapes)]
+
+    def views(self, flat: Tensor) -> list[Tensor] | None:
+        """Return each member's view of the flat gradient of ``flat``, or ``None`` while there is none."""
+        grad = self.read(flat)
+        return None if grad is None else self.split(grad)
+
+    # ------------------------------------------------ the original parameters' gradients
+    def gather(self, flat: Tensor, members: Iterable[Member]) -> Tensor | None:
+        """Return a new flat gradient for ``flat`` built from the gradients of the members' parameters.
+
+        ``None`` if none of them has a gradient; zeros where one has none.
+        """
+        grads = [(member.index, member.param.grad) for member in members]
+        if all(grad is None for _, grad in grads):
+            return None
+        out = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+        targets = self.split(out)
+        with torch.no_grad():
+            for index, grad in grads:
+                if grad is not None:
+                    targets[index].copy_(grad)
+        return out
+
+    def take_back(self, flat: Tensor, grad: Tensor | None, leaves: Iterable[Tensor], tx: Transaction) -> None:
+        """Make ``grad`` the flat gradient of ``flat`` and drop the gradients of ``leaves``, undoably.
+
+        The module surgery's flatten: the original parameters' gradients now live in the flat gradient.
+        """
+        set_grad(flat, grad, tx)
+        for leaf in leaves:
+            set_grad(leaf, None, tx)
+
+    def hand_out(self, flat: Tensor, members: Iterable[Member], tx: Transaction, copy: bool) -> None:
+        """Give each member's parameter its view of the flat gradient (a copy if ``copy``), undoably.
+
+        ``None`` to each while the flat gradient is ``None``. The module surgery's unflatten (views)
+        and removal (copies: the parameters own their gradients again).
+        """
+        views = self.views(flat)
+        for member in members:
+            grad = None if views is None else views[member.index]
+            if copy and grad is not None:
+                with torch.no_grad():
+                    grad = grad.clone()
+            set_grad(member.param, grad, tx)
+
+    # ------------------------------------------------------------ per-tensor mode
+    def enter_leaves(self, flat: Tensor, members: Sequence[Member], tx: Transaction) -> None:
+        """Per-tensor mode begins: the members' leaf parameters keep their gradients in the flat one.
+
+        Undone with ``tx``; a no-op if these very leaves are already in per-tensor mode.
+        """
+        current = self.leaves
+        leaves = [(member.index, member.param) for member in members]
+        if current is not None and current.holds(flat, leaves):
+            return
+        self.exit_leaves(tx)
+        fresh = LeafGrads(flat, leaves, self.split)
+        tx.on_undo(fresh.close)
+        tx.set_attr(self, "leaves", fresh)
+
+    def exit_leaves(self, tx: Transaction) -> None:
+        """Per-tensor mode ends (undone with ``tx``): unhook the leaves; the flat gradient is the slot's."""
+        leaves = self.leaves
+        if leaves is None:
+            return
+        leaves.close()
+        tx.on_undo(leaves.reopen)
+        tx.set_attr(self, "leaves", None)
+
+    # ------------------------------------------------------------------ hooks
     def add_hook(self, hook: FlatGradHook) -> None:
         """Have backward call ``hook`` for each flat gradient of this group (after the hooks added before)."""
         self._set_hooks((*self.hooks, hook))
@@ -243,15 +354,15 @@ class GradBuffer:
                 self._targets.append((dtype, *_segments(memory, layout, dtype)))
             return out, None, []
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> GradBuffer:
-        return GradBuffer()  # a copy's gradients are its own: no memory, hooks or claim of the original
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupGrad:
+        return GroupGrad(self.layout)  # a copy's gradients are its own: no memory, hooks or claim
 
 
-def check_sync(buffers: Sequence[GradBuffer], owner: object, what: str) -> None:
+def check_sync(buffers: Sequence[GroupGrad], owner: object, what: str) -> None:
     """Refuse ``owner`` if another live owner syncs the gradient of one of ``buffers``.
 
     Args:
-        buffers: the groups' buffers.
+        buffers: the groups' gradient owners.
         owner: the claimant.
         what: what the claimant does, the start of the message (``"ShardedOptimizer syncs ..."``).
 
@@ -264,11 +375,11 @@ def check_sync(buffers: Sequence[GradBuffer], owner: object, what: str) -> None:
             raise RuntimeError(f"{what}, but {held}")
 
 
-def claim_sync(buffers: Sequence[GradBuffer], owner: object, what: str, refusals: Sequence[str]) -> None:
-    """Claim the sync of every buffer for ``owner`` (see :meth:`GradBuffer.claim_sync`), or of none.
+def claim_sync(buffers: Sequence[GroupGrad], owner: object, what: str, refusals: Sequence[str]) -> None:
+    """Claim the sync of every buffer for ``owner`` (see :meth:`GroupGrad.claim_sync`), or of none.
 
     Args:
-        buffers: the groups' buffers.
+        buffers: the groups' gradient owners.
         owner: the claimant (held weakly).
         what: what the claimant does, the start of the message if it is refused.
         refusals: per buffer, what a later claimant is told.
@@ -287,7 +398,7 @@ def _segments(
     """Return a tensor per segment of ``layout`` on ``memory``, and the padding segments.
 
     They are not views of another tensor (no base keeps a reference), so each
-    holds exactly one reference to the storage (see :meth:`GradBuffer.take`).
+    holds exactly one reference to the storage (see :meth:`GroupGrad.take`).
     """
     shapes = dict(zip(layout.segments, layout.shapes))
     segments, offset = [], 0
@@ -299,113 +410,16 @@ def _segments(
     return segments, [seg for seg in range(len(layout.split_sizes)) if seg not in shapes]
 
 
-class _GroupSplit(torch.autograd.Function):  # the name shows in graphs: _GroupSplitBackward
-    """All views of a group as the outputs of one autograd node.
+def set_grad(tensor: Tensor, value: Tensor | None, tx: Transaction | None = None) -> None:
+    """Write torch's ``.grad`` slot of ``tensor`` (undoably with ``tx``).
 
-    The node keeps only the (immutable) layout and the group's gradient
-    buffer: a reference to anything that holds the cached views would make a
-    cycle through the C++ autograd graph that Python's garbage collector
-    cannot see, and leak the flat buffer.
+    For a tensor no group owns (a ``ShardedOptimizer``'s slice, an original
+    parameter the module surgery hands a gradient to or takes it from, a flat
+    parameter before or without a group), and for a group's flat gradient in
+    flat mode; the rest of the library writes a group's flat gradient through
+    its :class:`GroupGrad`.
     """
-
-    @staticmethod
-    def forward(
-        flat: Tensor, layout: GroupLayout, buffer: GradBuffer, source: Tensor | None = None
-    ) -> tuple[Tensor, ...]:
-        # Detached views of the buffer: they alias it and share its version counter, but
-        # autograd sees plain outputs, not views of a function that returns several views.
-        # So the outputs stay usable after in-place updates of the buffer (an optimizer
-        # step): the cache serves them until the buffer is replaced, and autograd's own
-        # check still refuses a backward whose saved weights were changed in place, with
-        # the plain model's message. Wrapping a plain output is also cheap for autograd.
-        # With a ``source`` (``GroupViews.source``), the views are its slots; the gradient is still
-        # the flat tensor's (a cast's derivative is the identity).
-        chunks = (flat if source is None else source).detach().split(layout.split_sizes)
-        # One-dimensional slots already have their shape: skip a view (a few us each).
-        return tuple(
-            (chunks[seg] if len(shape) == 1 else chunks[seg].view(shape)).detach()
-            for seg, shape in zip(layout.segments, layout.shapes)
-        )
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        flat, layout, buffer = inputs[:3]
-        served = inputs[3] if len(inputs) > 3 and inputs[3] is not None else flat
-        ctx.layout = layout
-        ctx.buffer = buffer
-        ctx.flat = weakref.ref(flat)
-        # The flat gradient is built in the flat tensor's dtype: views served from a source of
-        # another dtype (a low-precision compute copy) have their gradients converted while they
-        # are copied together, in the same pass.
-        ctx.like = (flat.dtype, served.device)
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor, None, None, None]:
-        layout: GroupLayout = ctx.layout
-        dtype, device = ctx.like
-        sizes = layout.split_sizes
-        buffer: GradBuffer = ctx.buffer
-        hooks = buffer.hooks
-        if torch.is_grad_enabled():  # create_graph=True: the gradient itself is differentiated
-            out = torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device))
-            for hook in hooks:
-                out = _ready(hook, out, False)
-            return out, None, None, None
-        out, segments, padding = buffer.take(layout, dtype, device)
-        divisor, by = None, None
-        if hooks and layout.numel * dtype.itemsize >= PRESCALE_MIN_SEGMENT_BYTES * len(sizes):
-            flat = ctx.flat()
-            if flat is not None:
-                for hook in hooks:
-                    divisor = hook.divisor(flat)
-                    if divisor is not None:
-                        by = hook
-                        break
-        if divisor is None and segments is not None:
-            targets, sources = [], []
-            for seg, grad in zip(layout.segments, grads):
-                if grad is None:
-                    segments[seg].zero_()
-                else:
-                    targets.append(segments[seg])
-                    sources.append(grad)
-            for seg in padding:
-                segments[seg].zero_()
-            if targets:
-                torch._foreach_copy_(targets, sources)
-        elif divisor is None:
-            torch.cat(_flat_pieces(_by_segment(layout, grads), sizes, dtype, device), out=out)
-        else:  # divide while copying, instead of one more pass over the whole gradient later
-            for chunk, piece in zip(out.split(sizes), _by_segment(layout, grads)):
-                if piece is None:
-                    chunk.zero_()
-                else:
-                    torch.div(piece, divisor, out=chunk.view(piece.shape))
-        for hook in hooks:
-            out = _ready(hook, out, hook is by)
-        return out, None, None, None
-
-
-def _ready(hook: FlatGradHook, grad: Tensor, divided: bool) -> Tensor:
-    """Hand ``grad`` to ``hook``; return the gradient from then on (the hook's replacement, if any)."""
-    replaced = hook.grad_ready(grad, divided)
-    return grad if replaced is None else replaced
-
-
-def _by_segment(layout: GroupLayout, grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
-    """Return the slots' gradients placed at their segments (``None`` for padding and unused slots)."""
-    pieces: list[Tensor | None] = [None] * len(layout.split_sizes)
-    for seg, grad in zip(layout.segments, grads):
-        pieces[seg] = grad
-    return pieces
-
-
-def _flat_pieces(
-    pieces: list[Tensor | None], sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> list[Tensor]:
-    """Return the segments of a flat gradient as 1-D tensors, zeros where none was computed."""
-    return [
-        piece.reshape(-1) if piece is not None else torch.zeros(size, dtype=dtype, device=device)
-        for piece, size in zip(pieces, sizes)
-    ]
+    if tx is not None:
+        old = BASE_GRAD.__get__(tensor)
+        tx.on_undo(lambda: BASE_GRAD.__set__(tensor, old))
+    BASE_GRAD.__set__(tensor, value)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter, serve
-from .grad import GradBuffer
+from .grad import GroupGrad
 from .layout import GroupLayout
 from .view_cache import GroupViews
 
@@ -101,9 +101,9 @@ class Group:
         serve(self.flat, self.views)  # its `.data` setter and `.grad` getter reach the view cache
 
     @property
-    def grad_buffer(self) -> GradBuffer:
-        """The owner of this group's flat gradient: its memory, hooks, sync claim, reduce dtype and keeper."""
-        return self.views.grad_buffer
+    def grads(self) -> GroupGrad:
+        """The one owner of this group's gradient: flat gradient, views, memory, hooks and sync claim."""
+        return self.views.grads
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""
@@ -116,7 +116,7 @@ class Group:
     def grad_views(self) -> list[Tensor] | None:
         """Return a view of each member of the flat gradient, or ``None`` while there is none."""
         grad = self.flat.grad
-        return None if grad is None else self.views.split(grad)
+        return None if grad is None else self.views.grads.split(grad)
 
 
 F = TypeVar("F")

@@ -4,7 +4,7 @@ One :class:`GroupViews` per group makes every view of a group *at once* per
 pass (per thread, with grad mode on or off) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
-(``_GroupSplit`` in ``_grad.py``) whose backward concatenates their gradients
+(``_GroupSplit`` in ``split_node.py``) whose backward concatenates their gradients
 into the flat gradient; without grad they come from one ``split`` of a
 detached alias, which records nothing. Either way every view aliases the
 buffer and shares its version counter, so views stay valid across in-place
@@ -36,11 +36,13 @@ from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
 from .compiling import in_compiled_module_call, never_compiled
+from .engine import graph_task_id
 from .flat_parameter import FlatParameter
 from .foreign import is_distributed
-from .grad import GradBuffer, _GroupSplit
+from .grad import GroupGrad
 from .layout import GroupLayout
 from .names import registered_storage
+from .split_node import _GroupSplit
 
 __all__ = [
     "WRITE_SCANS",
@@ -60,7 +62,6 @@ _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _is_tracing = torch._C._is_tracing
 _data_ptr = Tensor.data_ptr
-_graph_task_id = torch._C._current_graph_task_id
 _increment_version = torch.autograd.graph.increment_version
 #: Key of a thread's current entry in its cache dict; the entries themselves are keyed by grad
 #: mode (``True`` / ``False``).
@@ -282,7 +283,7 @@ class GroupViews:
     __slots__ = (
         "__weakref__",
         "_entries",
-        "_grad_buffer",
+        "_grads",
         "_masters",
         "_segments",
         "_shapes",
@@ -313,7 +314,7 @@ class GroupViews:
         #: Every thread's live cache entries, for :meth:`sync`.
         self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
-        self._grad_buffer = GradBuffer()
+        self._grads = GroupGrad(layout)
         self.source: ViewSource | None = None
         self.cast: torch.dtype | None = None
         #: How many forwards of the registered module are running (its forward hooks count them):
@@ -327,9 +328,9 @@ class GroupViews:
         self.check_next_forward = False
 
     @property
-    def grad_buffer(self) -> GradBuffer:
-        """Return the group's flat-gradient memory and hooks (shared by all its split nodes)."""
-        return self._grad_buffer
+    def grads(self) -> GroupGrad:
+        """Return the one owner of the group's gradient (shared by all its split nodes)."""
+        return self._grads
 
     def invalidate(self) -> None:
         """Drop every thread's cached views (they hold the old flat tensor), landing `.data` writes first.
@@ -459,7 +460,7 @@ class GroupViews:
 
     def _expose(self, index: int, view: Tensor) -> None:
         """Show the source a view served outside the registered module's forward (and outside backward)."""
-        if _graph_task_id() == -1:  # a backward recomputing a checkpointed forward is not "outside"
+        if graph_task_id() == -1:  # a backward recomputing a checkpointed forward is not "outside"
             self.source.exposed(index, view)  # type: ignore[union-attr]
 
     def _valid(self, entry: CacheEntry, flat: Tensor, ptr: int, index: int) -> bool:
@@ -495,7 +496,7 @@ class GroupViews:
             # One autograd node for the whole group: backward concatenates the
             # gradients of every view into the flat gradient in one go.
             chunks = None
-            views = list(_GroupSplit.apply(flat, self.layout, self._grad_buffer, served))
+            views = list(_GroupSplit.apply(flat, self.layout, self._grads, served))
         else:
             # Views of a detached alias record no autograd history, so they stay
             # usable after in-place updates of the buffer (a view of the parameter
@@ -612,8 +613,7 @@ class GroupViews:
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return views of every slot of ``tensor``, a tensor shaped like the flat parameter."""
-        chunks = tensor.split(self._split)
-        return [chunks[seg].view(shape) for seg, shape in zip(self._segments, self._shapes)]
+        return self._grads.split(tensor)
 
     def trace(self, active: bool) -> None:
         """Split the current flat tensor once for the traced forward (``active``), or forget that split."""
@@ -637,7 +637,7 @@ class GroupViews:
         new._entries = weakref.WeakSet()
         new._traced = None
         new._masters = None
-        new._grad_buffer = GradBuffer()
+        new._grads = GroupGrad(self.layout)
         new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
         new.cast = None
         new.check_next_forward = False

@@ -3,33 +3,19 @@
 The two features sync gradients during backward the same way (a hook per
 flat parameter, an engine callback at the end of backward) but share no
 state; the helpers they both call live here, with public names, so that
-neither imports the other.
+neither imports the other. The autograd-engine helpers are ``_core/engine.py``'s,
+passed on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from .._core.engine import current_node, graph_task_id, queue_callback, will_execute
+
 __all__ = ["checked_process_group", "current_node", "graph_task_id", "queue_callback", "will_execute"]
-
-#: The id of the backward (graph task) this thread is running (``-1`` outside backward).
-graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
-#: Whether the backward in progress will run an autograd node (raises in ``torch.autograd.grad``).
-will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
-
-
-def current_node() -> Any:
-    """Return the autograd node this thread is running (``None`` outside backward)."""
-    current = getattr(torch._C, "_current_autograd_node", None)
-    return None if current is None else current()
-
-
-def queue_callback(callback: Callable[[], None]) -> None:
-    """Have the autograd engine run ``callback`` when the backward in progress ends."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def checked_process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:

@@ -86,7 +86,7 @@ def _all_reduce(
     """Start an in-place all-reduce of ``grad`` (``op`` is ``"mean"`` or ``"sum"``), in ``dtype`` if given.
 
     A ``dtype`` other than the gradient's (a mixed-precision policy's ``reduce_dtype``, on the
-    group's ``GradBuffer``) reduces a converted copy; waiting copies the result back into ``grad``.
+    group's ``GroupGrad``) reduces a converted copy; waiting copies the result back into ``grad``.
     """
     if dtype is not None and dtype != grad.dtype:
         low = grad.to(dtype)
@@ -97,16 +97,6 @@ def _all_reduce(
         return dist.all_reduce(grad, dist.ReduceOp.AVG, group=process_group, async_op=True)
     grad.div_(world)  # gloo has no AVG: pre-divide, then sum (DDP divides too)
     return dist.all_reduce(grad, dist.ReduceOp.SUM, group=process_group, async_op=True)
-
-
-def _flat_grad(flat: Tensor) -> Tensor:
-    """Return ``flat.grad`` as a dense contiguous tensor, zeros if it is ``None``."""
-    grad = flat.grad
-    if grad is None:
-        grad = flat.grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-    elif not grad.is_contiguous():
-        grad = flat.grad = grad.contiguous()
-    return grad
 
 
 class _SyncState:
@@ -263,10 +253,7 @@ class GradSync:
         storage = self._storage
         with in_flat_mode(storage):
             groups = [g for g in storage.groups() if g.flat.requires_grad]
-            works = [
-                _all_reduce(_flat_grad(g.flat), pg, world, op, g.grad_buffer.reduce_dtype)
-                for g in groups
-            ]
+            works = [_all_reduce(g.grads.dense(g.flat), pg, world, op, g.grads.reduce_dtype) for g in groups]
             for work in works:
                 work.wait()
 
@@ -304,7 +291,7 @@ class GradSync:
             )
         storage = self._storage
         _ = storage.module  # raises for a detached storage
-        buffers = [group.grad_buffer for group in storage.groups()]
+        buffers = [group.grads for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
         self.state = _SyncState(pg, world, len(storage.groups()))
         self.rehook()
@@ -320,10 +307,10 @@ class GradSync:
             if storage is not None:
                 for group, prescale in zip(storage.groups(), state.prescales):
                     if prescale is not None:
-                        group.grad_buffer.remove_hook(prescale)
+                        group.grads.remove_hook(prescale)
         if storage is not None:
             for group in storage.groups():
-                group.grad_buffer.release_sync(self)
+                group.grads.release_sync(self)
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:
@@ -339,7 +326,7 @@ class GradSync:
             for handle in (state.handles[g], state.pre_handles[g]):
                 if handle is not None:
                     handle.remove()
-            buffer = group.grad_buffer
+            buffer = group.grads
             old = state.prescales[g]
             if old is not None:
                 buffer.remove_hook(old)
@@ -376,8 +363,10 @@ class GradSync:
                 if not (final or state.ready[g]):
                     return
                 op = "sum" if state.prescaled[g] == state.task else "mean"  # divided in backward
-                dtype = groups[g].grad_buffer.reduce_dtype
-                state.works.append(_all_reduce(_flat_grad(flat), state.process_group, state.world, op, dtype))
+                grads = groups[g].grads
+                state.works.append(
+                    _all_reduce(grads.dense(flat), state.process_group, state.world, op, grads.reduce_dtype)
+                )
             state.next += 1
 
     def _backward_end(self, state: _SyncState) -> None:

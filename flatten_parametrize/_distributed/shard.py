@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._core.grad import set_grad
+
 __all__ = ["Shard", "copy_value", "elementwise"]
 
 
@@ -68,11 +70,11 @@ class Shard:
         if accumulate and grad is not None:
             grad[: values.numel()].add_(values)
         elif values.numel() == self.chunk:
-            self.param.grad = values
+            set_grad(self.param, values)
         else:
             padded = torch.zeros_like(self.param)
             padded[: values.numel()].copy_(values)
-            self.param.grad = padded
+            set_grad(self.param, padded)
 
     def assemble(self, pieces: Iterable[tuple[int, Tensor]], like: Tensor) -> Tensor:
         """Return a new zero-padded slice built from ``(flat offset, values)`` pieces overlapping it."""

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .._core.grad import set_grad
 from .sharded_args import hyperparameters
 from .sharded_collectives import Collectives
 from .sharded_partition import Partition
@@ -63,7 +64,7 @@ class LocalStep:
         if inner.state or any(s.param.grad is not None for s in shards):
             return False
         for shard in shards:
-            shard.param.grad = torch.zeros_like(shard.param)
+            set_grad(shard.param, torch.zeros_like(shard.param))
         lrs = []
         for group in inner.param_groups:
             lrs.append(group.get("lr"))

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from .._core.grad import GradBuffer
+    from .._core.grad import GroupGrad
     from .._core.records import Coordinator, Group
 
 __all__ = ["SYNCS", "Member", "buffers", "live_core", "refusal", "synced"]
@@ -43,9 +43,9 @@ def synced(storage: Coordinator, flats: Iterable[Tensor]) -> list[Group]:
     return [g for g in storage.groups() if g.flat.requires_grad and any(g.flat is f for f in flats)]
 
 
-def buffers(groups: Iterable[Group]) -> list[GradBuffer]:
+def buffers(groups: Iterable[Group]) -> list[GroupGrad]:
     """Return the gradient buffers of ``groups`` (what a sync claim is made on)."""
-    return [group.grad_buffer for group in groups]
+    return [group.grads for group in groups]
 
 
 def live_core(ref: weakref.ref[Coordinator]) -> Coordinator:
@@ -91,14 +91,14 @@ class Member:
         #: ZeRO-2: the full flat gradients are dropped after backward (``FlatGradHook``).
         self.releases_gradient = releases_gradient
         #: Group index -> its gradient buffer, which calls this hook.
-        self.buffers: dict[int, GradBuffer] = {}
+        self.buffers: dict[int, GroupGrad] = {}
         #: Group index -> the optimizer's post-accumulate-grad hook on its flat parameter.
         self._handles: dict[int, RemovableHandle] = {}
         self._joined = False
 
     def watch(self, group: Group) -> None:
         """Be the flat-gradient hook of ``group``."""
-        buffer = self.buffers[group.index] = group.grad_buffer
+        buffer = self.buffers[group.index] = group.grads
         buffer.add_hook(self)
 
     def hook_flat(self, g: int, flat: Tensor, hook: Callable[[Tensor], None]) -> None:

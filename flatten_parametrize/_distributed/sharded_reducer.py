@@ -24,6 +24,7 @@ from .shard import Shard
 from .sharded_member import live_core
 
 if TYPE_CHECKING:
+    from .._core.grad import GroupGrad
     from .._core.records import Coordinator
     from .sharded_collectives import Collectives
     from .sharded_partition import Partition
@@ -95,16 +96,17 @@ class Reducer:
             grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
         elif not grad.is_contiguous():
             grad = grad.contiguous()
-        grad, full = self._in_reduce_dtype(shard, grad), grad
+        grads = live_core(self._core_ref).groups()[shard.g].grads
+        grad, full = self._in_reduce_dtype(grads, grad), grad
         if not self._shard_gradients:
-            flat.grad = full
+            grads.assign(flat, full)
             return (shard, *self._comm.all_reduce_mean(grad))
-        flat.grad = None  # this rank keeps its slice only
+        grads.release(flat)  # this rank keeps its slice only
         return (shard, *self._comm.reduce_to_owners(shard, grad))
 
-    def _in_reduce_dtype(self, shard: Shard, grad: Tensor) -> Tensor:
+    def _in_reduce_dtype(self, grads: GroupGrad, grad: Tensor) -> Tensor:
         """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
-        dtype = live_core(self._core_ref).groups()[shard.g].grad_buffer.reduce_dtype
+        dtype = grads.reduce_dtype
         return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
 
     def finish(self) -> None:

@@ -22,7 +22,7 @@ Gradients: the views are outputs of the group's split node whose input is the
 master, so backward builds the flat gradient in the master's dtype (the view
 gradients are converted while they are copied together) and micro-batches
 accumulate in ``flat_param.grad`` in that dtype. The group's ``reduce_dtype``
-(``None``: ``param_dtype``, as FSDP2) is put on its ``GradBuffer`` for gradient
+(``None``: ``param_dtype``, as FSDP2) is put on its ``GroupGrad`` for gradient
 sync and ``ShardedOptimizer``. ``cast_forward_inputs`` and ``output_dtype``
 are forward hooks of the registered module, inactive in unflattened mode.
 
@@ -261,10 +261,10 @@ class MixedPrecision:
         self._copies: dict[int, _ComputeCopy] = {}
         for group in storage.groups():
             policy = self.policies.get(group.name)
-            group.grad_buffer.reduce_dtype = None
+            group.grads.reduce_dtype = None
             if policy is None or policy.param_dtype is None:
                 continue
-            group.grad_buffer.reduce_dtype = policy.reduce_dtype or policy.param_dtype
+            group.grads.reduce_dtype = policy.reduce_dtype or policy.param_dtype
             if policy.param_dtype != group.flat.dtype:
                 self._copies[group.index] = _ComputeCopy(policy.param_dtype)
                 group.views.source = self._source_for(group.index)
@@ -471,7 +471,7 @@ class MixedPrecision:
             for group in storage.groups():
                 group.views.source = None
                 group.views.cast = None
-                group.grad_buffer.reduce_dtype = None
+                group.grads.reduce_dtype = None
             _unhook(storage.module_unchecked)
         for copy in self._copies.values():
             if copy.master is not None:

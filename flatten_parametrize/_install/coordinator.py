@@ -45,7 +45,7 @@ from .._core.view_cache import GroupViews, same_memory
 from .._core.writes import check_flat_replacement, land_direct_writes
 from .._state.state_dict import layout_record
 from . import surgery
-from .per_tensor import PerTensorGrads
+from .per_tensor import PerTensorMode
 
 __all__ = ["FlatTensors", "FlattenStep", "StorageCore", "use_flatten_steps"]
 
@@ -126,8 +126,8 @@ class StorageCore:
         self.facade: Any = None
         #: The core that took this one's place when the groups were laid out again (``relayout.py``).
         self.replaced_by: StorageCore | None = None
-        #: The owner of the flat gradients in unflattened mode, and the hooks on the leaves there.
-        self.per_tensor = PerTensorGrads(self)
+        #: Switches the groups' gradient owners into and out of per-tensor mode (unflattened mode).
+        self.per_tensor = PerTensorMode(self)
 
     # --------------------------------------------------------------- read API
     @property

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._core.flat_parameter import FlatParameter, as_flat_parameter
+from .._core.grad import set_grad
 from .._core.layout import plan_group
 from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Slot
@@ -70,7 +71,7 @@ def build_storage(
             # Recorded: as_flat_parameter sets its class and layout, the new group serves it.
             tx.keep_dict(kept.__dict__)
             tx.set_attr(kept, "__class__", type(kept))
-            tx.set_attr(kept, "grad", None)  # the gradients are the members' (install gathers them)
+            set_grad(kept, None, tx)  # the gradients are the members' (install gathers them)
             tx.set_attr(kept, "data", data)
             tx.set_attr(kept, "requires_grad", first.requires_grad)
             flat = as_flat_parameter(kept, names, layout.shapes, layout.numels, layout.offsets)

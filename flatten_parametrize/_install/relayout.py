@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from .._core.caller import caller_level
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
+from .._core.grad import set_grad
 from .._core.names import MODULE_STATE_ATTR, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import Transaction, atomically
@@ -298,7 +299,7 @@ def _register_again(
                 seen.add(id(param))
                 params.append(param)
                 if param.grad is not None and param.grad.shape != param.shape:
-                    param.grad = None  # resized: its old gradient has no place in the new layout
+                    set_grad(param, None)  # resized: its old gradient has no place in the new layout
         if params:
             groups[name] = params
     flats = [flat for _, flat, _ in plan.groups]

@@ -210,7 +210,7 @@ def install(storage: Coordinator, tx: Transaction) -> None:
     classes = {
         key: make_class(owner, shared=owner is root and not root_has_slots) for key, owner in owners.items()
     }
-    grads = _gather_grads(groups)
+    grads = [group.grads.gather(group.flat, group.members) for group in groups]
     for key, owner in owners.items():
         order = list(owner._parameters)
         tx.keep_dict(owner.__dict__)
@@ -231,29 +231,11 @@ def install(storage: Coordinator, tx: Transaction) -> None:
             state.slots[attr] = (views, slot.index)
     for group, grad in zip(groups, grads):
         root.register_parameter(group.flat_name, group.flat)
-        group.flat.grad = grad
-    for slot in slots:
-        tx.set_attr(slot.param, "grad", None)  # its gradient now lives in the flat gradient
+        # The members' gradients now live in the flat gradient.
+        group.grads.take_back(group.flat, grad, [slot.param for slot in group.members], tx)
     _add_trace_hooks(root, tx)
     root.__dict__[STORAGE_ATTR] = storage
     refresh_originals(groups, slots, tx)
-
-
-def _gather_grads(groups: Sequence[Group]) -> list[Tensor | None]:
-    """Return each group's flat gradient built from its members' current gradients."""
-    grads: list[Tensor | None] = []
-    with torch.no_grad():
-        for group in groups:
-            if all(slot.param.grad is None for slot in group.members):
-                grads.append(None)
-                continue
-            grad = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
-            targets = group.split(grad)
-            for slot in group.members:
-                if slot.param.grad is not None:
-                    targets[slot.index].copy_(slot.param.grad)
-            grads.append(grad)
-    return grads
 
 
 def uninstall(storage: Coordinator, tx: Transaction) -> None:
@@ -263,13 +245,12 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
     modules = _modules(root)
     with torch.no_grad():
         values = [group.value_views() for group in groups]
-        grads = [group.grad_views() for group in groups]
         data = [values[s.group_index][s.index].clone() for s in slots]
-        grad = [None if (g := grads[s.group_index]) is None else g[s.index].clone() for s in slots]
-    for slot, value, slot_grad in zip(slots, data, grad):
+    for slot, value in zip(slots, data):
         tx.set_attr(slot.param, "data", value)
         tx.set_attr(slot.param, "requires_grad", groups[slot.group_index].flat.requires_grad)
-        tx.set_attr(slot.param, "grad", slot_grad)
+    for group in groups:  # the parameters own their gradients again
+        group.grads.hand_out(group.flat, group.members, tx, copy=True)
     tx.keep_dict(root._parameters)
     for group in groups:
         root._parameters.pop(group.flat_name, None)
@@ -460,10 +441,9 @@ def flatten_module(storage: Coordinator, tx: Transaction) -> None:
         for slot, param in members:
             if not same_memory(param, targets[slot.index]):
                 tx.write(targets[slot.index], param.detach())
-    for group, grad in zip(groups, new_grads):
-        tx.set_attr(group.flat, "grad", grad)
+    for group, grad, members in zip(groups, new_grads, by_group):  # not the dead slots
+        group.grads.take_back(group.flat, grad, [param for _, param in members], tx)
     for slot, param in live:  # not the dead slots: their modules were replaced or deleted
-        tx.set_attr(param, "grad", None)
         tx.set_attr(slot, "param", param)
         for name in live_names(storage, slot, modules):
             owner, attr = locate(modules, name)
@@ -480,11 +460,10 @@ def unflatten_module(storage: Coordinator, tx: Transaction) -> None:
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
     refresh_originals(groups, slots, tx)
-    grads = [group.grad_views() for group in groups]
     for slot in slots:
-        split = grads[slot.group_index]
         tx.set_attr(slot.param, "requires_grad", groups[slot.group_index].flat.requires_grad)
-        tx.set_attr(slot.param, "grad", None if split is None else split[slot.index])
+    for group in groups:
+        group.grads.hand_out(group.flat, group.members, tx, copy=False)
     tx.keep_dict(root._parameters)
     for group in groups:
         root._parameters.pop(group.flat_name, None)

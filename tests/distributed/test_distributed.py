@@ -682,7 +682,7 @@ def _sync_hooks(model: nn.Module, storage) -> int:
     on_flat = sum(
         len(f._post_accumulate_grad_hooks or {}) + len(f._backward_hooks or {}) for f in storage.flat_params
     )
-    prescale = sum(len(group.views.grad_buffer.hooks) for group in core_of(storage).groups())
+    prescale = sum(len(group.views.grads.hooks) for group in core_of(storage).groups())
     forward = len(model._forward_pre_hooks) - 1  # the library's own one (trace_split): sync adds none
     return on_flat + prescale + forward
 

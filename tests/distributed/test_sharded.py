@@ -210,7 +210,7 @@ def _grad_bytes(storage, opt) -> int:
     """Bytes of gradient memory held: flat gradients, slice gradients, the storage's kept gradient memory."""
     held = sum(f.grad.nbytes for f in storage.flat_params if f.grad is not None)
     held += sum(s.param.grad.nbytes for s in opt._ownership.shards if s.param.grad is not None)
-    held += sum(k.nbytes() for g in core_of(storage).groups() for k in g.views.grad_buffer._kept)
+    held += sum(k.nbytes() for g in core_of(storage).groups() for k in g.views.grads._kept)
     return held
 
 
@@ -906,7 +906,7 @@ def test_a_flat_parameter_is_synced_by_one_optimizer_at_a_time(world1):
 def _hooks_on(storage) -> tuple[int, int]:
     """(post-accumulate-grad hooks on the flat parameters, flat-gradient hooks on the groups' buffers)."""
     flats = sum(len(f._post_accumulate_grad_hooks or {}) for f in storage.flat_params)
-    return flats, sum(len(g.views.grad_buffer.hooks) for g in core_of(storage).groups())
+    return flats, sum(len(g.views.grads.hooks) for g in core_of(storage).groups())
 
 
 @pytest.mark.parametrize("shard", [True, False], ids=["ZeRO-2", "ZeRO-1"])
@@ -914,7 +914,7 @@ def test_the_optimizer_is_a_feature_of_the_core_until_it_is_collected(world1, sh
     """It joins the core's lifecycle and hooks its groups; collected, it leaves no hook, claim or keep=0."""
     model, storage = _small()
     core = core_of(storage)
-    buffers = [g.views.grad_buffer for g in core.groups()]
+    buffers = [g.views.grads for g in core.groups()]
     opt = ShardedOptimizer(storage, torch.optim.SGD, lr=0.1, shard_gradients=shard)
     assert [type(f).__name__ for f in core.features] == ["Member"]
     assert _hooks_on(storage) == (2, 2)

@@ -6,7 +6,10 @@
 - features meet only on ``_core``'s seams: none imports another's modules, none imports a private name;
 - no mixins, and no module but the coordinator's own reads its private attributes;
 - only ``__init__.py`` files act when imported: no other module registers, installs or patches anything;
-- the public surface of ``FlatStorage`` and ``ShardedOptimizer`` is exactly the product contract's.
+- the public surface of ``FlatStorage`` and ``ShardedOptimizer`` is exactly the product contract's;
+- a group's gradient has one owner (``_core/grad.py``): a tensor's ``.grad`` slot is written in at most
+  two modules, torch's autograd-engine internals are named in one, and reading a flat parameter's
+  ``.grad`` looks no group up.
 
 The checkers run on synthetic packages too (``test_the_checker_reports_every_kind_of_violation``,
 ``test_the_import_time_checker_reports_every_kind_of_action``), so these tests cannot pass by checking
@@ -33,6 +36,8 @@ from torch import nn
 
 import flatten_parametrize
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
+
+from _helpers import core_of
 
 PACKAGE = Path(flatten_parametrize.__file__).parent
 
@@ -331,6 +336,75 @@ def branch_points(node: ast.AST) -> int:
     return count
 
 
+#: What writes a tensor's ``.grad`` slot: ``x.grad = ...`` (not ``self.grad``, an attribute of the
+#: library's own objects), ``del x.grad``, ``setattr(x, "grad", ...)`` / ``tx.set_attr(x, "grad", ...)``
+#: and torch's own descriptor, ``BASE_GRAD.__set__`` / ``__delete__``.
+_SETTERS = {"setattr", "set_attr"}
+
+
+def _writes_grad(node: ast.AST) -> bool:
+    """Whether ``node`` writes the ``.grad`` of a tensor."""
+
+    def grad_target(target: ast.expr) -> bool:
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(grad_target(t) for t in target.elts)
+        return (
+            isinstance(target, ast.Attribute)
+            and target.attr == "grad"
+            and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+        )
+
+    if isinstance(node, ast.Assign):
+        return any(grad_target(t) for t in node.targets)
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, ast.Delete) else [node.target]
+        return any(grad_target(t) for t in targets)
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name in _SETTERS:
+            named = node.args[1] if len(node.args) > 1 else None
+            return isinstance(named, ast.Constant) and named.value == "grad"
+        return (
+            name in ("__set__", "__delete__")
+            and isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "BASE_GRAD"
+        )
+    return False
+
+
+def grad_writers(modules: dict[str, Path]) -> list[str]:
+    """Return the modules that write a tensor's ``.grad`` slot."""
+    return sorted(
+        name
+        for name, path in modules.items()
+        if any(_writes_grad(node) for node in ast.walk(ast.parse(path.read_text())))
+    )
+
+
+#: torch's private autograd-engine entry points (attributes, or names given to ``getattr``).
+ENGINE_INTERNALS = {
+    "_current_graph_task_id",
+    "_execution_engine",
+    "_will_engine_execute_node",
+    "_current_autograd_node",
+    "_post_accumulate_grad_hooks",
+}
+
+
+def engine_users(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Return each of torch's autograd-engine internals -> the modules that name it."""
+    users: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS | {"queue_callback"}:
+                users.setdefault(node.attr, set()).add(name)
+            elif isinstance(node, ast.Constant) and node.value in ENGINE_INTERNALS:
+                users.setdefault(str(node.value), set()).add(name)
+    return {internal: sorted(found) for internal, found in sorted(users.items())}
+
+
 MODULES, IMPORTS = imports(PACKAGE)
 
 #: The features composed on the coordinator, with the modules that only each of them uses. They reach the
@@ -475,6 +549,37 @@ def test_each_class_of_the_sharded_optimizer_holds_one_concern():
     assert len(counts) >= 6, counts
     over = {name: n for name, n in counts.items() if n > MAX_BRANCH_POINTS}
     assert over == {}, f"classes over {MAX_BRANCH_POINTS} branch points: {over}"
+
+
+def test_a_tensors_grad_slot_is_written_in_at_most_two_modules():
+    """Only the gradient owner (``_core/grad.py``) and per-tensor mode's ``_core/leaf_grads.py`` write it."""
+    writers = grad_writers(MODULES)
+    assert len(writers) <= 2 and set(writers) <= {"_core.grad", "_core.leaf_grads"}, writers
+
+
+def test_torchs_autograd_engine_internals_are_named_in_one_module():
+    """``queue_callback``, the graph task id & co. are reached through ``_core/engine.py`` only."""
+    users = engine_users(MODULES)
+    assert set(users) >= {"_current_graph_task_id", "_execution_engine", "queue_callback"}, users
+    assert {module for found in users.values() for module in found} == {"_core.engine"}, users
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_reading_a_flat_gradient_looks_no_group_up(per_tensor, monkeypatch):
+    """``flat_param.grad`` goes straight to its group's gradient owner: no scan of the storage's groups."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    storage = register_flat_storage(model, [[model[0]], [model[1]]])
+    if per_tensor:
+        storage.unflatten()
+    model(torch.randn(2, 3)).sum().backward()
+    flats = list(storage.flat_params)
+    core = core_of(storage)
+    looked_up = []
+    monkeypatch.setattr(core, "groups", lambda: looked_up.append(1) or ())
+    monkeypatch.setattr(core, "slots", lambda: looked_up.append(1) or ())
+    grads = [flat.grad for flat in flats]
+    assert len(grads) == 2 and all(grad is not None for grad in grads)
+    assert looked_up == []
 
 
 # The product contract's "Public surface": a new public name is a deliberate edit of these lists
@@ -672,3 +777,31 @@ def test_the_branch_counter_counts_every_kind_of_decision():
         "    return [y for y in x if y]\n"  # comprehension, its condition
     )
     assert branch_points(ast.parse(source)) == 11
+
+
+GRAD_WRITES = {
+    "assign.py": "def f(p):\n    p.grad = None\n",
+    "tuple.py": "def f(p, q):\n    p.grad, q.x = 1, 2\n",
+    "augment.py": "def f(p):\n    p.grad += 1\n",
+    "delete.py": "def f(p):\n    del p.grad\n",
+    "setattr.py": "def f(p):\n    setattr(p, 'grad', None)\n",
+    "undoable.py": "def f(tx, p):\n    tx.set_attr(p, 'grad', None)\n",
+    "descriptor.py": "def f(p):\n    BASE_GRAD.__set__(p, None)\n",
+    "clean.py": "class A:\n    def f(self, p):\n        self.grad = p.grad\n        setattr(p, 'data', 1)\n",
+    "engine.py": "import torch\nq = torch.autograd.Variable._execution_engine.queue_callback\n",
+    "lookup.py": "import torch\nf = getattr(torch._C, '_current_autograd_node', None)\n",
+}
+
+
+def test_the_gradient_checks_find_every_form(tmp_path):
+    """On synthetic modules the ``.grad`` write and engine checks find each planted form, and only those."""
+    for relative, text in GRAD_WRITES.items():
+        (tmp_path / relative).write_text(text)
+    modules = module_files(tmp_path)
+    planted = ["assign", "augment", "delete", "descriptor", "setattr", "tuple", "undoable"]
+    assert grad_writers(modules) == planted
+    assert engine_users(modules) == {
+        "_current_autograd_node": ["lookup"],
+        "_execution_engine": ["engine"],
+        "queue_callback": ["engine"],
+    }

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
-from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES, GradBuffer, check_sync, claim_sync
+from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES, GroupGrad, check_sync, claim_sync
 
 from _helpers import core_of, mlp
 
@@ -100,7 +100,7 @@ def test_a_flat_gradient_hook_sees_each_flat_gradient_and_may_divide_it():
     storage = register_flat_storage(model)
     hook = Halve()
     [group] = core_of(storage).groups()
-    group.grad_buffer.add_hook(hook)
+    group.grads.add_hook(hook)
     x = torch.randn(3, width)
     model(x).sum().backward()
     plain(x).sum().backward()
@@ -108,7 +108,7 @@ def test_a_flat_gradient_hook_sees_each_flat_gradient_and_may_divide_it():
     assert divided and address == storage["0"].grad.data_ptr()
     expected = torch.cat([plain.weight.grad.reshape(-1), plain.bias.grad]) / 2
     torch.testing.assert_close(storage["0"].grad, expected)
-    group.grad_buffer.remove_hook(hook)
+    group.grads.remove_hook(hook)
     model(x).sum().backward()
     assert len(hook.ready) == 1
 
@@ -121,7 +121,7 @@ def test_one_owner_at_a_time_syncs_a_groups_gradient():
     """A second live claimant is refused with the holder's message; a claim ends on release or collection."""
     model = mlp(2)
     storage = register_flat_storage(model, bucket_cap_mb=1e-4)
-    buffers = [g.grad_buffer for g in core_of(storage).groups()]
+    buffers = [g.grads for g in core_of(storage).groups()]
     assert len(buffers) > 1
     first, second = Owner(), Owner()
     claim_sync(buffers[:1], first, "first syncs", ["group 0 is first's; stop first"])
@@ -154,9 +154,9 @@ def test_a_hook_that_releases_gradients_makes_the_buffer_keep_no_memory():
     model = mlp(2)
     storage = register_flat_storage(model)
     [group] = core_of(storage).groups()
-    buffer = group.grad_buffer
+    buffer = group.grads
     model(torch.ones(1, 5)).sum().backward()
-    assert buffer.keep == GradBuffer.KEEP and len(buffer._kept) == 1
+    assert buffer.keep == GroupGrad.KEEP and len(buffer._kept) == 1
     hook = Releasing()
     buffer.add_hook(hook)
     assert buffer.keep == 0 and buffer._kept == []  # given up at once, not at the next backward
@@ -164,7 +164,7 @@ def test_a_hook_that_releases_gradients_makes_the_buffer_keep_no_memory():
     model(torch.ones(1, 5)).sum().backward()
     assert buffer._kept == []
     buffer.remove_hook(hook)
-    assert buffer.keep == GradBuffer.KEEP
+    assert buffer.keep == GroupGrad.KEEP
 
 
 class Doubling:
@@ -185,7 +185,7 @@ def test_a_flat_gradient_hook_may_replace_the_gradient(create_graph):
     model, plain = mlp(2), mlp(2)
     storage = register_flat_storage(model)
     [group] = core_of(storage).groups()
-    group.grad_buffer.add_hook(Doubling())
+    group.grads.add_hook(Doubling())
     model(torch.ones(1, 5)).sum().backward(create_graph=create_graph)
     plain(torch.ones(1, 5)).sum().backward()
     assert storage["0"].grad.dtype == torch.float32
@@ -247,7 +247,7 @@ class Float64Copy:
         for group in core.groups():
             group.views.source = Float64Source(self, group.index)
             if convert:
-                group.grad_buffer.add_hook(ToMaster(self, group.index))
+                group.grads.add_hook(ToMaster(self, group.index))
             group.views.invalidate()
         core.add_feature(self)
 

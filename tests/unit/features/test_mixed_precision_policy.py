@@ -317,7 +317,7 @@ def test_reduce_dtype_defaults_to_param_dtype():
     storage = register_flat_storage(
         model, {"a": ["up.*"], "b": ["down.*"]}, mixed_precision={"a": BF16, "b": policy}
     )
-    buffers = [g.grad_buffer.reduce_dtype for g in core_of(storage).groups()]
+    buffers = [g.grads.reduce_dtype for g in core_of(storage).groups()]
     assert buffers == [torch.bfloat16, torch.float32]
 
 

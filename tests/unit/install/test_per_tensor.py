@@ -1,4 +1,4 @@
-"""Per-tensor mode (``_install/per_tensor.py``): unflattened leaves keep their gradients in the flat gradient.
+"""Per-tensor mode (``_core/leaf_grads.py``): unflattened leaves keep their gradients in the flat gradient.
 
 Each case trains a flattened model inside a persistent ``storage.unflatten()``
 against a plain twin from the same seed.
@@ -98,6 +98,19 @@ def test_micro_batches_accumulate_in_place_in_the_flat_gradient():
     assert [p.grad.data_ptr() for p in flat.parameters()] == ptrs
     for p, q in zip(flat.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_each_backward_lands_the_leaves_gradients_in_their_slots_by_its_end():
+    """After zero_grad() and backward every leaf's `.grad` is in the flat gradient before any read of it."""
+    _, flat, storage = _pair()
+    flat_param = storage.flat_params[0]
+    torch_grad = vars(torch._C.TensorBase)["grad"]  # the slot itself, not FlatParameter.grad's read
+    for step in range(2):
+        flat.zero_grad()
+        _loss(flat, step).backward()
+        flat_grad = torch_grad.__get__(flat_param)
+        assert flat_grad is not None
+        assert all(_in_flat_grad(p, flat_grad) for p in flat.parameters())
 
 
 def test_a_gradient_penalty_with_create_graph_differentiates_as_on_the_plain_model():

@@ -1,0 +1,45 @@
+"""torch's autograd-engine helpers, named once for the whole library.
+
+The gradient owner (``grad.py``, ``leaf_grads.py``), the view cache, gradient
+sync and ``ShardedOptimizer`` need a few private entry points of torch's
+autograd engine: the id of the backward in progress, a callback at its end,
+the node it runs, whether it will run a node, and the post-accumulate-grad
+hooks of a tensor. They are reached here only, so that a change of torch's
+private API is met in one module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "current_node",
+    "graph_task_id",
+    "queue_callback",
+    "run_post_accumulate_grad_hooks",
+    "will_execute",
+]
+
+#: The id of the backward (graph task) this thread is running (``-1`` outside backward).
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+#: Whether the backward in progress will run an autograd node (raises in ``torch.autograd.grad``).
+will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
+_ENGINE = torch.autograd.Variable._execution_engine
+#: Have the autograd engine run a callback when the backward in progress ends.
+queue_callback: Callable[[Callable[[], None]], None] = _ENGINE.queue_callback
+
+
+def current_node() -> Any:
+    """Return the autograd node this thread is running (``None`` outside backward)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return None if current is None else current()
+
+
+def run_post_accumulate_grad_hooks(tensor: Tensor) -> None:
+    """Run the post-accumulate-grad hooks registered on ``tensor``, as backward does after accumulating."""
+    hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+    for hook in tuple(hooks.values()) if hooks else ():
+        hook(tensor)
