@@ -57,15 +57,14 @@ def make_property(name: str) -> property:
             if (
                 entry is not None
                 and entry.flat is flat
-                and not entry.watch_ptr
+                # A FlatParameter's views, not frozen or unfrozen since (see CacheEntry.trusted).
+                and entry.trusted
                 # A source's views: fresh, and read inside the registered module's forward
                 # (outside it the source is shown the view, see GroupViews.view).
                 and (entry.version < 0 or (entry.version == flat._version and group.forward_depth))
             ):
                 view = entry.views[index]
-                if entry.requires_grad is not flat.requires_grad:
-                    pass  # frozen or unfrozen since: GroupViews.view makes the views again
-                elif entry.grad:
+                if entry.grad:
                     if _is_grad_enabled() and view.grad_fn is entry.node:
                         return view
                 elif view is not None and not _is_grad_enabled():

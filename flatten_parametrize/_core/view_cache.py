@@ -142,7 +142,8 @@ class CacheEntry:
     ``requires_grad`` (the views require grad where it does, in both modes) and,
     in grad mode, the view served still has the node's history (an in-place
     change of a view under grad mode adds to it). A ``FlatParameter``
-    drops the cache itself when its ``.data`` is replaced; for any other flat
+    drops the cache itself when its ``.data`` is replaced, and marks it
+    ``trusted = False`` when its ``requires_grad`` is set; for any other flat
     tensor (FSDP2's unsharded parameter, whose memory is freed and allocated
     again; substitutes of ``using()``), ``data_ptr()`` is compared at each read
     (``watch_ptr``). In-place updates of the buffer do not invalidate it: every
@@ -158,6 +159,11 @@ class CacheEntry:
         ptr: its ``data_ptr()`` then.
         grad: the grad mode the views were made for.
         watch_ptr: whether reads compare ``flat.data_ptr()`` with ``ptr``.
+        trusted: whether a cached read may skip ``flat.requires_grad`` (the
+            inlined hit of ``attribute.py``): the flat tensor is a
+            ``FlatParameter``, which reports a set ``requires_grad``
+            (:meth:`GroupViews.on_requires_grad_set`), and none was reported
+            since the last read that compared it.
         chunks: the segments of one ``split`` (``None`` in grad mode for a
             buffer that requires grad: the views are the outputs of one node).
         views: one view per slot; without grad made on first use (``None``
@@ -183,6 +189,7 @@ class CacheEntry:
         "ptrs",
         "requires_grad",
         "served",
+        "trusted",
         "version",
         "views",
         "watch_ptr",
@@ -201,6 +208,7 @@ class CacheEntry:
         self.ptr = ptr
         self.grad = grad
         self.watch_ptr = type(flat) is not FlatParameter
+        self.trusted = not self.watch_ptr
         self.chunks = chunks
         self.views = views
         self.made: list[int] = [i for i, v in enumerate(views) if v is not None]
@@ -372,6 +380,7 @@ class GroupViews:
         view = entry.views[index]
         if entry.requires_grad is not flat.requires_grad:  # frozen or unfrozen since
             return self._switch(flat, index)
+        entry.trusted = not entry.watch_ptr  # compared: cached reads may skip it again
         if entry.grad:
             # A view changed in place under grad mode carries that change in its history:
             # serving it again would differentiate through it every pass.
@@ -567,6 +576,15 @@ class GroupViews:
     def on_data_read(self, flat: Tensor) -> None:
         """Called by a ``FlatParameter`` this group serves when its ``.data`` is read: see :meth:`aliased`."""
         self.aliased(flat)
+
+    def on_requires_grad_set(self) -> None:
+        """Called by a ``FlatParameter`` this group serves when its ``requires_grad`` is set.
+
+        Every entry is checked against the flag at its next read (:meth:`view`),
+        which makes the views again where it changed.
+        """
+        for entry in list(self._entries):
+            entry.trusted = False
 
     def on_data_replaced(self) -> None:
         """Called by a ``FlatParameter`` this group serves before its ``.data`` is replaced: drop the views.

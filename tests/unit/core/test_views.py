@@ -313,6 +313,37 @@ def test_freezing_the_flat_parameter_reaches_cached_views():
     assert layer(x).requires_grad
 
 
+@pytest.mark.parametrize("how", ["attribute", "module.requires_grad_"])
+@pytest.mark.parametrize("mode", ["grad", "no_grad"])
+def test_setting_requires_grad_reaches_views_cached_in_every_mode(how, mode):
+    """`flat.requires_grad = False` and `module.requires_grad_(False)` reach views cached in both modes.
+
+    A cached read does not compare the flag (the flat parameter reports it being set): the views
+    served after it follow it in both modes, and the frozen model's output requires no grad.
+    """
+    layer = nn.Linear(4, 2)
+    storage = register_flat_storage(layer)
+    x = torch.randn(3, 4)
+    context = torch.enable_grad if mode == "grad" else torch.no_grad
+
+    def freeze(flag: bool) -> None:
+        if how == "attribute":
+            storage["0"].requires_grad = flag
+        else:
+            layer.requires_grad_(flag)
+
+    with context():
+        assert layer.weight.requires_grad and layer.weight is layer.weight  # cached
+        freeze(False)
+        assert not layer.weight.requires_grad and not layer.bias.requires_grad
+        assert not layer(x).requires_grad
+        freeze(True)
+        assert layer.weight.requires_grad and layer.weight is layer.weight
+        assert layer(x).requires_grad is (mode == "grad")
+    layer(x).sum().backward()
+    assert storage["0"].grad is not None
+
+
 def test_gradients_with_padding_and_unused_parameters_match_plain():
     """With align padding and a layer the forward skips, used slots get the plain gradient, others zeros."""
     plain = nn.ModuleDict({"used": nn.Linear(3, 3), "unused": nn.Linear(3, 2)})
