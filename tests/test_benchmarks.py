@@ -41,6 +41,7 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
         "Targets of the issue",
     ):
         assert f"### {title}" in out, title
+    assert "MLP depth 10: per-tensor floor (no library) / plain" in out  # the floor, measured in the same run
     assert "ddp: skipped in --quick" in out
     assert "mixed_precision: skipped in --quick" in out
     assert "FAILED" not in out
