@@ -39,7 +39,7 @@ def _installed_roots() -> tuple[str, ...]:
 
 #: The library itself, the standard library and every installed package (torch, transformers, Lightning, ...).
 _INSTALLED = _installed_roots()
-#: Whether the code of each code object seen so far is user code (see :func:`called_from_user_code`).
+#: Whether each source file seen so far holds user code (see :func:`called_from_user_code`).
 _USER_CODE: dict[str, bool] = {}
 
 

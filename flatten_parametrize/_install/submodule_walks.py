@@ -15,7 +15,10 @@ DDP and FSDP2 walk submodules for their own bookkeeping);
 ``_core/caller.called_from_user_code`` tells them apart. What cannot be told:
 a call on a module without flattened attributes of its own (an
 ``nn.Sequential`` or a block of layers: its class is not the library's), and
-the parameters reached without a call (``module.weight``).
+the parameters reached without a call (``module.weight``). A walk over every
+module (``m.parameters(recurse=False)`` for each ``m``) is said too, although in
+flat mode it yields the flat parameters: it cannot be told from one that picks
+modules by type (``docs/per-tensor.md``, "Per-submodule code").
 """
 
 from __future__ import annotations
