@@ -5,7 +5,8 @@ The coordinator core (``coordinator.py``), the injected classes
 (``surgery.py``), registration and removal (``lifecycle.py``), whole-model
 pickling (``pickling.py``), deep copy (``copying.py``), grouping and reuse,
 module swaps and released weights laid out again on ``flatten()``
-(``rehost.py``) and the dead-space warning (``dead_space.py``).
+(``rehost.py``), the dead-space warning (``dead_space.py``) and the warning for a
+submodule asked for parameters that are slices (``submodule_walks.py``).
 Uses ``_core`` and ``_state``.
 
 The methods of the injected classes and the steps of ``flatten()`` are listed

@@ -13,7 +13,7 @@ after every module is imported, so no import order decides what a class gets.
 
 from __future__ import annotations
 
-from . import copying, dead_space, module_classes, pickling, rehost, relayout
+from . import copying, dead_space, module_classes, pickling, rehost, relayout, submodule_walks
 from .coordinator import FlattenStep, use_flatten_steps
 from .module_classes import Methods, use_methods
 
@@ -39,6 +39,10 @@ METHODS = Methods(
         # model operations that change ties, run on the plain model (relayout.py)
         "get_parameter": relayout.get_parameter,
         "__setattr__": relayout.set_attribute,
+        # a submodule asked by user code for parameters that are slices, said once (submodule_walks.py)
+        "parameters": submodule_walks.parameters,
+        "named_parameters": submodule_walks.named_parameters,
+        "requires_grad_": submodule_walks.requires_grad_,
     },
     where_defined={
         # transformers' resize_token_embeddings, only where the model has it (relayout.py)
