@@ -790,7 +790,7 @@ class FlatStorage:
             >>> [tuple(s.shape) for s in storage.stack(4)]
             [(4, 8)]
         """
-        return Functional(self._core).stack(k, requires_grad)
+        return self._feature(Functional).stack(k, requires_grad)
 
     def call_stacked(self, stacked: StackedTensors, *args: Any, **kwargs: Any) -> Any:
         """Evaluate the module once per row of ``stacked``, in one vectorized call.

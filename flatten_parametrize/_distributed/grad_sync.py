@@ -255,6 +255,12 @@ class GradSync:
         """A copy starts without sync (its hooks left in the module's dicts are inert)."""
         return GradSync(storage)
 
+    def holds_layout(self) -> str | None:
+        """While enabled: its hooks and claims are per group (collectives alone hold nothing)."""
+        if self.state is None:
+            return None
+        return "storage.disable_grad_sync(), and enable_grad_sync() again after the change"
+
     # ------------------------------------------------------------ collectives
     def all_reduce(self, process_group: dist.ProcessGroup | None, op: str) -> None:
         """All-reduce every flat gradient (see ``FlatStorage.all_reduce_grads``)."""

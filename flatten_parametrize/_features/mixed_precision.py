@@ -482,6 +482,10 @@ class MixedPrecision:
         """The copy keeps the policies; its compute copies are cast from its own masters."""
         return MixedPrecision(storage, self.policies)
 
+    def holds_layout(self) -> None:
+        """Never: it follows a new layout (``pickle_record``), its copies cast from the new masters."""
+        return None
+
     def pickle_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
         """Return ``(function, args)`` that composes this feature again on a loaded core."""
         return restore_mixed_precision, (self.policies,)

@@ -13,12 +13,14 @@ state (mode, group records); these functions see it through its read API.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._core.caller import caller_level
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
 from .._core.foreign import is_distributed, is_foreign, local_shard
@@ -240,19 +242,43 @@ def install(storage: Coordinator, tx: Transaction) -> None:
 
 
 def _gather_grads(groups: Sequence[Group]) -> list[Tensor | None]:
-    """Return each group's flat gradient built from its members' current gradients."""
+    """Return each group's flat gradient built from its members' current gradients.
+
+    A gradient of another shape than its parameter (left from before a
+    resize on the plain model: ``resize_token_embeddings`` swaps the
+    parameter's ``.data``) has no place in a flat gradient: it is dropped,
+    as the plain model's next ``zero_grad()`` would drop it, with one
+    warning naming it.
+    """
     grads: list[Tensor | None] = []
+    stale: list[str] = []
     with torch.no_grad():
         for group in groups:
-            if all(slot.param.grad is None for slot in group.members):
+            members = []
+            for slot in group.members:
+                grad = slot.param.grad
+                if grad is not None and grad.shape != slot.param.shape:
+                    shapes = f"gradient {tuple(grad.shape)}, parameter {tuple(slot.param.shape)}"
+                    stale.append(f"{slot.name} ({shapes})")
+                elif grad is not None:
+                    members.append((slot, grad))
+            if not members:
                 grads.append(None)
                 continue
-            grad = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
-            targets = group.split(grad)
-            for slot in group.members:
-                if slot.param.grad is not None:
-                    targets[slot.index].copy_(slot.param.grad)
-            grads.append(grad)
+            flat_grad = torch.zeros_like(group.flat, memory_format=torch.contiguous_format)
+            targets = group.split(flat_grad)
+            for slot, grad in members:
+                targets[slot.index].copy_(grad)
+            grads.append(flat_grad)
+    if stale:
+        warnings.warn(
+            f"a flat gradient holds each parameter's gradient in the parameter's shape; "
+            f"{len(stale)} gradient(s) of another shape, left from before a shape change, were dropped: "
+            f"{', '.join(stale)}; as on the plain model, whose next zero_grad() drops them. Call "
+            "zero_grad() before changing shapes to keep this warning away",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
     return grads
 
 
