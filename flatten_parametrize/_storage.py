@@ -770,6 +770,9 @@ class FlatStorage:
 
         The copies are independent of the module (perturb them, train them,
         average them) and :meth:`call_stacked` evaluates the module once per row.
+        While a stack lives it holds the layout: operations that lay the groups
+        out again (``quantize_``, ``resize_token_embeddings``, a module swap
+        flattened again) are refused until the stacks are dropped.
 
         Args:
             k: number of weight sets (``>= 1``).
