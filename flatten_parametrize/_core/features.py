@@ -32,13 +32,15 @@ checks their imports). The seams, all of them:
   - ``holds_layout()``: whether the feature's state would not fit the
     groups laid out again (``_install/relayout.py``, torchao's swaps): the
     way to release it (a sentence), or ``None``. Only while it holds
-    something: gradient sync while enabled, disk offload while a buffer is
-    a file's mapping, a ``ShardedOptimizer`` while it lives, ensembles while
-    a stack of ``stack()`` lives. :func:`refuse_held_layout` asks them all
-    before anything changes; a feature that holds nothing is dropped with
-    the old core (composed again on use), except one with a
-    ``pickle_record()`` (below), which follows to the new core (mixed
-    precision: its compute copies are cast from the new masters).
+    something: disk offload while a buffer is a file's mapping, a
+    ``ShardedOptimizer`` while it lives, ensembles while a stack of
+    ``stack()`` lives. :func:`refuse_held_layout` asks them all before
+    anything changes. A feature that holds nothing is dropped with the old
+    core (composed again on use), except one whose optional
+    ``relayout_record()`` gives ``(function, args)``: after the change the
+    old one is removed and ``function(new_core, *args)`` composes it on the
+    new core (mixed precision: compute copies cast from the new masters;
+    gradient sync while enabled: enabled again, same process group).
   - ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
     parameters in RAM by then).
   - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the

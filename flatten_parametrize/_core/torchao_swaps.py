@@ -12,9 +12,9 @@ called on a module that holds a flattened storage in flat mode, runs inside
 a swapped-in module that re-hosts a parameter takes over its slot (a change of
 owner: same flat parameters, no dead space) and a quantized weight leaves the
 storage with a warning (``_install/rehost.py``). While a feature holds the
-layout (``features.refuse_held_layout``: gradient sync, disk offload, a
-``ShardedOptimizer``, live ensemble stacks) the call is refused before the
-model changes; mixed precision follows the new layout. :func:`patch` wraps them
+layout (``features.refuse_held_layout``: disk offload, a ``ShardedOptimizer``,
+live ensemble stacks) the call is refused before the model changes; mixed
+precision and gradient sync follow the new layout. :func:`patch` wraps them
 (``flatten_parametrize/_outside.py`` lists them and runs it as soon as
 torchao's modules are imported).
 

@@ -483,8 +483,12 @@ class MixedPrecision:
         return MixedPrecision(storage, self.policies)
 
     def holds_layout(self) -> None:
-        """Never: it follows a new layout (``pickle_record``), its copies cast from the new masters."""
+        """Never: it follows a new layout (:meth:`relayout_record`), its copies cast from the new masters."""
         return None
+
+    def relayout_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        """Return ``(function, args)`` that composes this feature on the core laid out again."""
+        return self.pickle_record()
 
     def pickle_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
         """Return ``(function, args)`` that composes this feature again on a loaded core."""

@@ -26,11 +26,12 @@ What the injected classes get from here (listed in ``injected.py``):
   the whole operation runs through :func:`relayout`.
 
 An operation is refused before anything changes inside ``using()``, while a
-load stages values, and while features hold the layout (gradient sync while
-enabled, disk offload while offloaded, a live ``ShardedOptimizer``, live
-stacks of ensembles: ``_core/features.py``): their state would not fit the new
-layout. Mixed precision holds nothing: its policies follow to the new core,
-whose compute copies are cast from the new masters.
+load stages values, and while features hold the layout (disk offload while
+offloaded, a live ``ShardedOptimizer``, live stacks of ensembles:
+``_core/features.py``): their state would not fit the new layout. Mixed
+precision and gradient sync hold nothing: they follow to the new core (its
+compute copies cast from the new masters; sync enabled again on its groups,
+with the same process group).
 """
 
 from __future__ import annotations
@@ -159,9 +160,12 @@ class _Plan:
         self.align = max((group.layout.align for group in core.groups()), default=1)
         self.before = {group.name: group.flat.numel() for group in core.groups()}
         self.where = [(slot, core.groups()[slot.group_index]) for slot in core.slots()]
-        #: The features that follow to the new core (their ``pickle_record()``: mixed precision).
+        #: The features that follow to the new core, with their ``relayout_record()`` (taken now,
+        #: before removal disables them): mixed precision, gradient sync while enabled.
         self.followers = [
-            (f, record) for f in core.features if (record := getattr(f, "pickle_record", None)) is not None
+            (f, record)
+            for f in core.features
+            if (get := getattr(f, "relayout_record", None)) is not None and (record := get()) is not None
         ]
 
     def moved(self) -> dict[int, Any]:
@@ -186,8 +190,7 @@ class _Plan:
 
     def follow(self, new: StorageCore | None) -> None:
         """Compose on ``new`` the features that follow a new layout (after the change is committed)."""
-        for feature, record in self.followers:
-            function, args = record()
+        for feature, (function, args) in self.followers:
             feature.on_removed()  # the old groups' copies and hooks (again after remove_storage: a no-op)
             if new is not None:
                 function(new, *args)

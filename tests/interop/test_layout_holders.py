@@ -3,10 +3,11 @@
 Every operation that lays the groups out again (torchao's ``quantize_``, QAT prepare and float8
 swaps, a module swap flattened again, transformers' ``resize_token_embeddings``) asks the features
 of the storage before anything changes (``_core/features.py``: ``refuse_held_layout``). Per holder
-(gradient sync, disk offload, a ``ShardedOptimizer``, live ensemble stacks): the refused operation
-leaves the model as it was; released as the message says, the same operation gives the plain
-twin's result. Mixed precision holds nothing: its policy follows the new layout. Each way out that
-the message names is followed to the end, with gradients left from before the change.
+(disk offload, a ``ShardedOptimizer``, live ensemble stacks): the refused operation leaves the
+model as it was; released as the message says, the same operation gives the plain twin's result.
+Mixed precision and gradient sync hold nothing: they follow the new layout (the hand-written bf16
+reference; sync still enabled, reducing the new groups). Each way out that the message names is
+followed to the end, with gradients left from before the change.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ SWAPS: dict[str, tuple[str, Callable[[nn.Module], Any]]] = {
     ),
     "float8": ("torchao's convert_to_float8_training", convert_to_float8_training),
 }
-HOLDERS = ["grad_sync", "offload", "sharded_optimizer", "stacks"]
+HOLDERS = ["offload", "sharded_optimizer", "stacks"]
 
 
 def mlp() -> nn.Sequential:
@@ -70,9 +71,6 @@ def _ids(vocab: int = 64) -> torch.Tensor:
 
 def hold(kind: str, storage: FlatStorage, tmp_path: Path) -> tuple[str, Callable[[], None]]:
     """Make feature ``kind`` hold the layout; return its name in the refusal and the release it names."""
-    if kind == "grad_sync":
-        storage.enable_grad_sync()
-        return "GradSync", storage.disable_grad_sync
     if kind == "offload":
         storage.offload_to_disk(tmp_path)
         return "DiskOffload", storage.load_to_memory
@@ -221,25 +219,77 @@ def _train_alike(plain: nn.Module, flat: nn.Module) -> None:
     assert_same_values(flat, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_resize_after_load_to_memory_runs_with_a_stale_gradient_and_trains_as_the_plain_model(tmp_path):
+    """The message's first route: load_to_memory(), resize (a gradient from before left), offload again."""
+    plain = gpt2()
+    flat = twin(plain)
+    storage = register_flat_storage(flat)
+    storage.offload_to_disk(tmp_path)
+    _backward(plain)
+    _backward(flat)
+    with pytest.raises(RuntimeError, match=refusal("resize_token_embeddings", "DiskOffload")):
+        flat.resize_token_embeddings(120)
+    storage.load_to_memory()
+    torch.manual_seed(1)
+    plain.resize_token_embeddings(120)
+    torch.manual_seed(1)
+    flat.resize_token_embeddings(120)
+    storage.offload_to_disk(tmp_path)
+    assert storage.is_offloaded
+    assert torch.equal(flat(_ids(120)).logits, plain(_ids(120)).logits)
+    _train_alike(plain, flat)
+
+
+class _Reductions:
+    """Counts the all-reduces that gradient sync launches."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = torch.distributed.all_reduce
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.distributed, "all_reduce", counting)
+
+
 @pytest.mark.usefixtures("world1")
-def test_resize_after_disable_grad_sync_runs_with_a_stale_gradient_and_trains_as_the_plain_model():
-    """The message's first route: disable_grad_sync(), resize (a gradient from before left), enable again."""
+def test_grad_sync_follows_resize_token_embeddings_with_a_stale_gradient(monkeypatch):
+    """Enabled sync holds nothing: after the resize it is still enabled and reduces the new group."""
     plain = gpt2()
     flat = twin(plain)
     storage = register_flat_storage(flat)
     storage.enable_grad_sync()
     _backward(plain)
     _backward(flat)
-    with pytest.raises(RuntimeError, match=refusal("resize_token_embeddings", "GradSync")):
-        flat.resize_token_embeddings(120)
-    storage.disable_grad_sync()
     torch.manual_seed(1)
     plain.resize_token_embeddings(120)
     torch.manual_seed(1)
     flat.resize_token_embeddings(120)
-    storage.enable_grad_sync()
+    with pytest.raises(RuntimeError, match="grad sync is already enabled"):
+        storage.enable_grad_sync()
+    reductions = _Reductions(monkeypatch)
     assert torch.equal(flat(_ids(120)).logits, plain(_ids(120)).logits)
     _train_alike(plain, flat)
+    assert reductions.count == 3  # one group, one reduction per backward
+    storage.disable_grad_sync()  # the message's route still works as well
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("swap", list(SWAPS))
+def test_grad_sync_follows_a_torchao_swap(swap: str, monkeypatch):
+    """quantize_, QAT prepare, float8 under enabled sync: the plain result, and the next backward reduced."""
+    plain = mlp()
+    flat = twin(plain)
+    storage = register_flat_storage(flat)
+    storage.enable_grad_sync()
+    SWAPS[swap][1](flat)
+    SWAPS[swap][1](plain)
+    assert torch.equal(flat(X), plain(X))
+    reductions = _Reductions(monkeypatch)
+    flat(X).sum().backward()
+    assert reductions.count == 1
 
 
 @pytest.mark.usefixtures("world1")
