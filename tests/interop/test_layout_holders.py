@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
+from torch.nn.parallel import DistributedDataParallel
 from torchao.float8 import convert_to_float8_training
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
@@ -34,7 +35,17 @@ from flatten_parametrize import (
     remove_flat_storage,
 )
 
-from _helpers import assert_same_values, assert_unchanged, snapshot, train_steps, twin
+from _helpers import (
+    assert_same_values,
+    assert_unchanged,
+    launch_gloo,
+    launch_results,
+    save_result,
+    snapshot,
+    train_steps,
+    twin,
+    values,
+)
 from _hf import gpt2, lm_loss
 
 pytestmark = pytest.mark.filterwarnings(
@@ -337,3 +348,32 @@ def test_registration_drops_a_gradient_left_by_a_data_swap_of_another_shape_with
     with pytest.warns(UserWarning, match=stale):
         register_flat_storage(model)
     assert_same_values(model, values)
+
+
+def _resize_under_sync(rank: int, world: int, outdir: Path) -> None:
+    """One rank: GPT-2 resized under enabled grad sync, its half trained; the plain twin under DDP alike."""
+    plain = gpt2()
+    flat = twin(plain)
+    register_flat_storage(flat).enable_grad_sync()
+    torch.manual_seed(1)
+    plain.resize_token_embeddings(120)
+    torch.manual_seed(1)
+    flat.resize_token_embeddings(120)
+    ddp = DistributedDataParallel(plain)
+    seeds = [10 * rank + step for step in range(3)]
+    batches = [torch.randint(3, 120, (2, 8), generator=torch.Generator().manual_seed(s)) for s in seeds]
+    train_steps(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), batches, lm_loss)
+    train_steps(flat, torch.optim.AdamW(flat.parameters(), lr=1e-2), batches, lm_loss)
+    save_result(outdir, rank, "resize", {"flat": values(flat), "plain": values(plain)})
+
+
+@pytest.mark.slow
+def test_resize_token_embeddings_under_grad_sync_trains_on_two_ranks_as_the_plain_model_under_ddp(
+    tmp_path: Path,
+):
+    """Sync follows the resized layout: the ranks stay equal and end where DDP's plain model ends."""
+    launch = launch_gloo(_resize_under_sync, tmp_path)
+    first, second = launch_results(launch, "resize")
+    assert_same_values(first["flat"], second["flat"])
+    for result in (first, second):
+        assert_same_values(result["flat"], result["plain"], close=True)
