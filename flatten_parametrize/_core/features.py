@@ -29,7 +29,8 @@ checks their imports). The seams, all of them:
     forward pre-hook), ``named_views``/``named_grads``/``flat_params``, state
     dicts, mode toggles, deep copy, pickling and removal. The place for
     cheap checks of what nothing notifies.
-  - ``holds_layout()``: whether the feature's state would not fit the
+  - ``holds_layout()`` (optional; without it a feature holds the layout
+    while composed): whether the feature's state would not fit the
     groups laid out again (``_install/relayout.py``, torchao's swaps): the
     way to release it (a sentence), or ``None``. Only while it holds
     something: disk offload while a buffer is a file's mapping, a
@@ -110,15 +111,20 @@ class Feature(Protocol):
     def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> Feature | None:
         """Return this feature's state for ``storage``, a copy of its coordinator (``None``: not copied)."""
 
-    def holds_layout(self) -> str | None:
-        """Return how to release the layout if this feature's state would not fit a new one, else ``None``."""
-
 
 def layout_holders(storage: Coordinator) -> dict[str, str]:
-    """Return the features of ``storage`` that hold its layout now: the way to release each, by name."""
-    return {
-        type(f).__name__.lstrip("_"): fix for f in storage.features if (fix := f.holds_layout()) is not None
-    }
+    """Return the features of ``storage`` that hold its layout now: the way to release each, by name.
+
+    A feature without ``holds_layout()`` holds the layout while it is composed.
+    """
+    holders = {}
+    for feature in storage.features:
+        name = type(feature).__name__.lstrip("_")
+        holds = getattr(feature, "holds_layout", None)
+        fix = f"remove the {name} feature" if holds is None else holds()
+        if fix is not None:
+            holders[name] = fix
+    return holders
 
 
 def refuse_held_layout(storage: Coordinator, what: str) -> None:
