@@ -772,6 +772,9 @@ class FlatStorage:
 
         The copies are independent of the module (perturb them, train them,
         average them) and :meth:`call_stacked` evaluates the module once per row.
+        While a stack lives it holds the layout: operations that lay the groups
+        out again (``quantize_``, ``resize_token_embeddings``, a module swap
+        flattened again) are refused until the stacks are dropped.
 
         Args:
             k: number of weight sets (``>= 1``).
@@ -792,7 +795,7 @@ class FlatStorage:
             >>> [tuple(s.shape) for s in storage.stack(4)]
             [(4, 8)]
         """
-        return Functional(self._core).stack(k, requires_grad)
+        return self._feature(Functional).stack(k, requires_grad)
 
     def call_stacked(self, stacked: StackedTensors, *args: Any, **kwargs: Any) -> Any:
         """Evaluate the module once per row of ``stacked``, in one vectorized call.

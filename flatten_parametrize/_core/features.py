@@ -29,6 +29,19 @@ checks their imports). The seams, all of them:
     forward pre-hook), ``named_views``/``named_grads``/``flat_params``, state
     dicts, mode toggles, deep copy, pickling and removal. The place for
     cheap checks of what nothing notifies.
+  - ``holds_layout()`` (optional; without it a feature holds the layout
+    while composed): whether the feature's state would not fit the
+    groups laid out again (``_install/relayout.py``, torchao's swaps): the
+    way to release it (a sentence), or ``None``. Only while it holds
+    something: disk offload while a buffer is a file's mapping, a
+    ``ShardedOptimizer`` while it lives, ensembles while a stack of
+    ``stack()`` lives. :func:`refuse_held_layout` asks them all before
+    anything changes. A feature that holds nothing is dropped with the old
+    core (composed again on use), except one whose optional
+    ``relayout_record()`` gives ``(function, args)``: after the change the
+    old one is removed and ``function(new_core, *args)`` composes it on the
+    new core (mixed precision: compute copies cast from the new masters;
+    gradient sync while enabled: enabled again, same process group).
   - ``on_removed()``: ``remove_flat_storage`` (the values are ordinary
     parameters in RAM by then).
   - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the
@@ -80,7 +93,7 @@ from typing import Any, Protocol
 
 from .records import Coordinator
 
-__all__ = ["Coordinator", "Feature", "in_flat_mode", "storage_of"]
+__all__ = ["Coordinator", "Feature", "in_flat_mode", "layout_holders", "refuse_held_layout", "storage_of"]
 
 
 class Feature(Protocol):
@@ -97,6 +110,38 @@ class Feature(Protocol):
 
     def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> Feature | None:
         """Return this feature's state for ``storage``, a copy of its coordinator (``None``: not copied)."""
+
+
+def layout_holders(storage: Coordinator) -> dict[str, str]:
+    """Return the features of ``storage`` that hold its layout now: the way to release each, by name.
+
+    A feature without ``holds_layout()`` holds the layout while it is composed.
+    """
+    holders = {}
+    for feature in storage.features:
+        name = type(feature).__name__.lstrip("_")
+        holds = getattr(feature, "holds_layout", None)
+        fix = f"remove the {name} feature" if holds is None else holds()
+        if fix is not None:
+            holders[name] = fix
+    return holders
+
+
+def refuse_held_layout(storage: Coordinator, what: str) -> None:
+    """Raise if a feature of ``storage`` holds its layout now, before ``what`` changes anything.
+
+    Raises:
+        RuntimeError: naming each feature that holds the layout, with the way
+            to release it, and the plain model's route.
+    """
+    holders = layout_holders(storage)
+    if holders:
+        raise RuntimeError(
+            f"cannot run {what} on a flattened module while {', '.join(sorted(holders))} hold(s) its "
+            "layout: their state would not fit the new layout; nothing was changed. Release it first "
+            f"({'; '.join(fix for _, fix in sorted(holders.items()))}) and run it again, or run it on "
+            "the plain model (remove_flat_storage(model), change it, register_flat_storage(model) again)"
+        )
 
 
 def storage_of(ref: weakref.ref[Coordinator]) -> Coordinator:

@@ -63,6 +63,10 @@ class Member(Protocol):
     def param(self) -> Tensor:
         """Its original parameter (a leaf in unflattened mode)."""
 
+    @property
+    def name(self) -> str:
+        """Its qualified name, relative to the registered module."""
+
 
 class FlatGradHook(Protocol):
     """Sees each flat gradient that a group's split node builds in backward ("flat gradient ready").
@@ -211,20 +215,28 @@ class GroupGrad:
         return None if grad is None else self.split(grad)
 
     # ------------------------------------------------ the original parameters' gradients
-    def gather(self, flat: Tensor, members: Iterable[Member]) -> Tensor | None:
+    def gather(self, flat: Tensor, members: Iterable[Member], stale: list[str]) -> Tensor | None:
         """Return a new flat gradient for ``flat`` built from the gradients of the members' parameters.
 
-        ``None`` if none of them has a gradient; zeros where one has none.
+        ``None`` if none of them has a gradient; zeros where one has none. A gradient
+        of another shape than its parameter (left from before a shape change) has no
+        place in it: it is left out, and ``"<name> (gradient <shape>, parameter <shape>)"``
+        appended to ``stale``.
         """
-        grads = [(member.index, member.param.grad) for member in members]
-        if all(grad is None for _, grad in grads):
+        grads = []
+        for member in members:
+            grad, param = member.param.grad, member.param
+            if grad is not None and grad.shape != param.shape:
+                stale.append(f"{member.name} (gradient {tuple(grad.shape)}, parameter {tuple(param.shape)})")
+            elif grad is not None:
+                grads.append((member.index, grad))
+        if not grads:
             return None
         out = torch.zeros_like(flat, memory_format=torch.contiguous_format)
         targets = self.split(out)
         with torch.no_grad():
             for index, grad in grads:
-                if grad is not None:
-                    targets[index].copy_(grad)
+                targets[index].copy_(grad)
         return out
 
     def take_back(self, flat: Tensor, grad: Tensor | None, leaves: Iterable[Tensor], tx: Transaction) -> None:

@@ -11,7 +11,10 @@ called on a module that holds a flattened storage in flat mode, runs inside
 ``storage.unflattened()``, where the model is a plain one: when the block ends,
 a swapped-in module that re-hosts a parameter takes over its slot (a change of
 owner: same flat parameters, no dead space) and a quantized weight leaves the
-storage with a warning (``_install/rehost.py``). :func:`patch` wraps them
+storage with a warning (``_install/rehost.py``). While a feature holds the
+layout (``features.refuse_held_layout``: disk offload, a ``ShardedOptimizer``,
+live ensemble stacks) the call is refused before the model changes; mixed
+precision and gradient sync follow the new layout. :func:`patch` wraps them
 (``flatten_parametrize/_outside.py`` lists them and runs it as soon as
 torchao's modules are imported).
 
@@ -33,6 +36,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from .features import refuse_held_layout
 from .names import library_state, registered_storage
 from .on_import import is_ours, wrapper_of
 
@@ -42,6 +46,11 @@ __all__ = ["flat_storages_in", "patch"]
 _FUNCTIONS = {
     "torchao.quantization.quant_api": "_replace_with_custom_fn_if_matches_filter",
     "torchao.float8.float8_linear_utils": "swap_linear_layers",
+}
+#: module -> the user's entry point into it, for error messages.
+_ENTRY_POINTS = {
+    "torchao.quantization.quant_api": "torchao's quantize_",
+    "torchao.float8.float8_linear_utils": "torchao's convert_to_float8_training",
 }
 #: The start of the dead-space warning of ``_install/dead_space.py``.
 _DEAD_SPACE = "a submodule replaced after registration leaves"
@@ -62,11 +71,13 @@ def flat_storages_in(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def _wrap(original: Callable[..., Any], model_at: int) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any], model_at: int, what: str) -> Callable[..., Any]:
     def swap_on_plain_model(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_running, "depth", 0)
         model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
         storages = [] if depth else flat_storages_in(model)
+        for storage in storages:  # before the swap changes anything (flatten() would refuse after it)
+            refuse_held_layout(storage, what)
         _running.depth = depth + 1
         try:
             with ExitStack() as stack:
@@ -90,7 +101,7 @@ def patch(module: ModuleType) -> None:
         return
     original = getattr(module, name, None)
     if callable(original) and not is_ours(original):
-        setattr(module, name, _wrap(original, 0))
+        setattr(module, name, _wrap(original, 0, _ENTRY_POINTS[module.__name__]))
 
 
 def _patch_quantizers(module: ModuleType) -> None:
@@ -100,4 +111,5 @@ def _patch_quantizers(module: ModuleType) -> None:
         for method in ("prepare", "convert"):
             original = cls.__dict__.get(method)
             if callable(original) and not is_ours(original):
-                setattr(cls, method, _wrap(original, 1))  # (self, model, ...)
+                what = f"torchao's {cls.__name__}.{method}"
+                setattr(cls, method, _wrap(original, 1, what))  # (self, model, ...)

@@ -245,6 +245,16 @@ class GradSync:
         """A copy starts without sync (its hooks left in the module's dicts are inert)."""
         return GradSync(storage)
 
+    def holds_layout(self) -> None:
+        """Never: enabled, it follows a new layout (:meth:`relayout_record`)."""
+        return None
+
+    def relayout_record(self) -> tuple[Callable[..., None], tuple[Any, ...]] | None:
+        """While enabled: ``(function, args)`` that enables sync on the core laid out again, same group."""
+        if self.state is None:
+            return None
+        return _enable_again, (self.state.process_group,)
+
     # ------------------------------------------------------------ collectives
     def all_reduce(self, process_group: dist.ProcessGroup | None, op: str) -> None:
         """All-reduce every flat gradient (see ``FlatStorage.all_reduce_grads``)."""
@@ -402,6 +412,13 @@ class GradSync:
         src = 0 if pg is None else dist.get_global_rank(pg, 0)
         dist.broadcast(order, src, group=pg)
         return [int(g) for g in order.tolist()]
+
+
+def _enable_again(storage: Coordinator, process_group: dist.ProcessGroup | None) -> None:
+    """Enable gradient sync on ``storage``, a core laid out again (hooks and claims on its new groups)."""
+    sync = GradSync(storage)
+    storage.add_feature(sync)
+    sync.enable(process_group)
 
 
 def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], None]:

@@ -142,6 +142,11 @@ class Member:
     def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> None:
         return None  # the optimizer optimizes the original's flat parameters, not the copy's
 
+    def holds_layout(self) -> str | None:
+        if self._claimant() is None:  # collected: it leaves at once (a finalizer), this only in between
+            return None
+        return "delete the ShardedOptimizer (del optimizer), and build a new one after the change"
+
     # ------------------------------------------------------------- FlatGradHook
     def divisor(self, flat: Tensor) -> int | None:
         return None

@@ -23,7 +23,9 @@ StackedTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 class Functional:
     """The ensemble feature of a storage: ``FlatStorage.stack`` and ``call_stacked`` delegate here.
 
-    It keeps no state of its own.
+    It keeps no state of its own but weak references to the stacks it handed
+    out: while one lives it holds the layout (a stack of the old sizes fits no
+    new one).
 
     Args:
         storage: the coordinator (held weakly).
@@ -31,6 +33,8 @@ class Functional:
 
     def __init__(self, storage: Coordinator) -> None:
         self._storage_ref = weakref.ref(storage)
+        #: The stacks handed out by :meth:`stack` (they have the layout's sizes), while they live.
+        self._stacks: weakref.WeakSet[Tensor] = weakref.WeakSet()
 
     @property
     def _storage(self) -> Coordinator:
@@ -49,14 +53,23 @@ class Functional:
         """A stateless copy for ``storage``."""
         return Functional(storage)
 
+    def holds_layout(self) -> str | None:
+        """While a stack of :meth:`stack` lives."""
+        if not len(self._stacks):
+            return None
+        return "drop the stacks of storage.stack() (del them), and stack again after the change"
+
     def stack(self, k: int, requires_grad: bool) -> list[Tensor]:
         """Return ``k`` stacked copies of every flat parameter (see ``FlatStorage.stack``)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"stack(k) needs an integer k >= 1; got {k!r}")
-        return [
+        stacks = [
             group.flat.detach().unsqueeze(0).repeat(k, 1).requires_grad_(requires_grad)
             for group in self._storage.groups()
         ]
+        for stack in stacks:
+            self._stacks.add(stack)
+        return stacks
 
     def _stacked(self, stacked: StackedTensors) -> list[Tensor]:
         groups = self._storage.groups()

@@ -482,6 +482,14 @@ class MixedPrecision:
         """The copy keeps the policies; its compute copies are cast from its own masters."""
         return MixedPrecision(storage, self.policies)
 
+    def holds_layout(self) -> None:
+        """Never: it follows a new layout (:meth:`relayout_record`), its copies cast from the new masters."""
+        return None
+
+    def relayout_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+        """Return ``(function, args)`` that composes this feature on the core laid out again."""
+        return self.pickle_record()
+
     def pickle_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
         """Return ``(function, args)`` that composes this feature again on a loaded core."""
         return restore_mixed_precision, (self.policies,)

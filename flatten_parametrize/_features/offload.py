@@ -161,6 +161,12 @@ class DiskOffload:
         """A copy's buffers are in RAM: it has no files."""
         return DiskOffload(storage)
 
+    def holds_layout(self) -> str | None:
+        """While a flat buffer is the mapping of its file (not after ``load_to_memory()``)."""
+        if not self._files or not self.backed():
+            return None
+        return "storage.load_to_memory(), and offload_to_disk() again after the change"
+
     # ---------------------------------------------------------------- queries
     def backed(self) -> dict[int, _Backing]:
         """Return the groups whose flat buffer still is the mapping of its file."""

@@ -22,6 +22,7 @@ flattens as usual (``surgery.flatten_module``).
 
 from __future__ import annotations
 
+from .._core.features import layout_holders
 from .._core.fit import misfit
 from . import surgery
 from .coordinator import StorageCore
@@ -69,7 +70,8 @@ def flatten_changed(core: StorageCore) -> bool:
     if core.is_flattened:
         return False
     changed, dead = changes(core)
-    if not changed and not (dead and not core.features and not core.using_depth and core.pending is None):
+    free = not layout_holders(core) and not core.using_depth and core.pending is None
+    if not changed and not (dead and free):
         return False
     relayout_flat(core, "flatten()")
     return True

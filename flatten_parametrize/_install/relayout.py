@@ -26,9 +26,12 @@ What the injected classes get from here (listed in ``injected.py``):
   the whole operation runs through :func:`relayout`.
 
 An operation is refused before anything changes inside ``using()``, while a
-load stages values, and while features hold the layout (gradient sync, disk
-offload, ``ShardedOptimizer``, ensembles): their state would not fit the new
-layout.
+load stages values, and while features hold the layout (disk offload while
+offloaded, a live ``ShardedOptimizer``, live stacks of ensembles:
+``_core/features.py``): their state would not fit the new layout. Mixed
+precision and gradient sync hold nothing: they follow to the new core (its
+compute copies cast from the new masters; sync enabled again on its groups,
+with the same process group).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any, TypeVar
 from torch import Tensor, nn
 
 from .._core.caller import caller_level
+from .._core.features import refuse_held_layout
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
 from .._core.grad import set_grad
@@ -104,6 +108,7 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
         # as a plain model is left by a failed operation.
         new, released = _register_again(plan)
         plan.hand_over(new)
+        plan.follow(new)
         if new is not None and not was_flat:
             new.unflatten()
         plan.report(what, new, released, moved)
@@ -131,6 +136,7 @@ def relayout_flat(core: StorageCore, what: str) -> None:
 
     new, released, moved = atomically(change)
     core.invalidate()
+    plan.follow(new)
     plan.report(what, new, released, moved)
 
 
@@ -155,6 +161,13 @@ class _Plan:
         self.align = max((group.layout.align for group in core.groups()), default=1)
         self.before = {group.name: group.flat.numel() for group in core.groups()}
         self.where = [(slot, core.groups()[slot.group_index]) for slot in core.slots()]
+        #: The features that follow to the new core, with their ``relayout_record()`` (taken now,
+        #: before removal disables them): mixed precision, gradient sync while enabled.
+        self.followers = [
+            (f, record)
+            for f in core.features
+            if (get := getattr(f, "relayout_record", None)) is not None and (record := get()) is not None
+        ]
 
     def moved(self) -> dict[int, Any]:
         """Return where each slot's parameter was, by ``id`` (after removal, which may reassign them)."""
@@ -175,6 +188,13 @@ class _Plan:
                 setattr(obj, attr, new)
             else:
                 tx.set_attr(obj, attr, new)
+
+    def follow(self, new: StorageCore | None) -> None:
+        """Compose on ``new`` the features that follow a new layout (after the change is committed)."""
+        for feature, (function, args) in self.followers:
+            feature.on_removed()  # the old groups' copies and hooks (again after remove_storage: a no-op)
+            if new is not None:
+                function(new, *args)
 
     def report(
         self, what: str, new: StorageCore | None, released: list[tuple[str, str]], moved: dict[int, Any]
@@ -259,14 +279,7 @@ def check_relayout(core: StorageCore, what: str) -> None:
         raise RuntimeError(
             f"cannot run {what} while load_state_dict stages values; let the load finish first"
         )
-    features = sorted({type(f).__name__.lstrip("_") for f in core.features})
-    if features:
-        raise RuntimeError(
-            f"cannot run {what} on a flattened module while {', '.join(features)} hold(s) its "
-            "layout (gradient sync, disk offload, a ShardedOptimizer or stacked ensembles): their "
-            "state would not fit the new layout; run it before enabling them, or on the plain "
-            "model (remove_flat_storage(model), change it, register_flat_storage(model) again)"
-        )
+    refuse_held_layout(core, what)
 
 
 def _register_again(

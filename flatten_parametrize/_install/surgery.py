@@ -13,12 +13,14 @@ state (mode, group records); these functions see it through its read API.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .._core.caller import caller_level
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter, as_flat_parameter, serve
 from .._core.foreign import is_distributed, is_foreign, local_shard
@@ -210,7 +212,7 @@ def install(storage: Coordinator, tx: Transaction) -> None:
     classes = {
         key: make_class(owner, shared=owner is root and not root_has_slots) for key, owner in owners.items()
     }
-    grads = [group.grads.gather(group.flat, group.members) for group in groups]
+    grads = _gather_grads(groups)
     for key, owner in owners.items():
         order = list(owner._parameters)
         tx.keep_dict(owner.__dict__)
@@ -236,6 +238,29 @@ def install(storage: Coordinator, tx: Transaction) -> None:
     _add_trace_hooks(root, tx)
     root.__dict__[STORAGE_ATTR] = storage
     refresh_originals(groups, slots, tx)
+
+
+def _gather_grads(groups: Sequence[Group]) -> list[Tensor | None]:
+    """Return each group's flat gradient built from its members' gradients; warn about those dropped.
+
+    A gradient of another shape than its parameter (left from before a
+    resize on the plain model: ``resize_token_embeddings`` swaps the
+    parameter's ``.data``) has no place in a flat gradient: the gradient
+    owner drops it, as the plain model's next ``zero_grad()`` would, and one
+    warning names each.
+    """
+    stale: list[str] = []
+    grads = [group.grads.gather(group.flat, group.members, stale) for group in groups]
+    if stale:
+        warnings.warn(
+            f"a flat gradient holds each parameter's gradient in the parameter's shape; "
+            f"{len(stale)} gradient(s) of another shape, left from before a shape change, were dropped: "
+            f"{', '.join(stale)}; as on the plain model, whose next zero_grad() drops them. Call "
+            "zero_grad() before changing shapes to keep this warning away",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
+    return grads
 
 
 def uninstall(storage: Coordinator, tx: Transaction) -> None:

@@ -34,6 +34,7 @@ import linecache
 import os
 import pickle
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -251,6 +252,19 @@ def _setup_flatten_after_swap_and_release() -> tuple[nn.Module, Callable[[], Any
     return model, storage.flatten
 
 
+def _setup_flatten_after_swap_with_released_holders() -> tuple[nn.Module, Callable[[], Any]]:
+    """Disk offload loaded back and ensemble stacks dropped hold nothing: flatten() lays the groups out."""
+    model, storage = _registered()
+    directory = tempfile.mkdtemp()
+    storage.offload_to_disk(directory)
+    storage.load_to_memory()  # deletes the files
+    os.rmdir(directory)
+    storage.stack(2)  # dropped at once
+    storage.unflatten()
+    _swap_and_release(model)
+    return model, storage.flatten
+
+
 SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "register": _setup_register,
     "flatten_after_edits": _setup_flatten_edited,
@@ -268,6 +282,7 @@ SCENARIOS: dict[str, Callable[[], tuple[nn.Module, Callable[[], Any]]]] = {
     "flatten_after_replacement": _setup_flatten_after_replacement,
     "remove_after_replacement": _setup_remove_after_replacement,
     "flatten_after_swap_and_release": _setup_flatten_after_swap_and_release,
+    "flatten_after_swap_with_released_holders": _setup_flatten_after_swap_with_released_holders,
 }
 
 #: Line faults run on these scenarios: together they execute every library line that the
@@ -286,6 +301,7 @@ LINE_SCENARIOS = [
     "flatten_after_replacement",
     "remove_after_replacement",
     "flatten_after_swap_and_release",
+    "flatten_after_swap_with_released_holders",
 ]
 
 #: Library modules that only plan (read the module, change nothing): no line faults there.
