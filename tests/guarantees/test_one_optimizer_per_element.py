@@ -53,11 +53,11 @@ def _others(model: nn.Module) -> list[nn.Parameter]:
 
 
 def test_adamw_over_flat_params_with_muon_over_the_matrices_warns_before_muon_steps_them_again():
-    """The issue's case: ``AdamW(storage.flat_params)`` + ``Muon([p ... if p.ndim == 2])`` in per-tensor mode.
+    """The reported case: ``AdamW(storage.flat_params)`` + ``Muon([p ... if p.ndim == 2])``, per-tensor mode.
 
     The user meant AdamW over the other parameters and Muon over the matrices (the
-    plain twin below); but ``flat_params`` holds every tensor, so the matrices were
-    stepped by both, with no word (the issue measured dw 6.6e-2 against the
+    plain twin of the next test); but ``flat_params`` holds every tensor, so the matrices
+    were stepped by both, with no word (measured: dw 6.6e-2 against the
     intended split). Now Muon's first step warns before it changes anything: as an
     error, the weights are those AdamW's step left.
     """
@@ -81,7 +81,8 @@ def test_the_double_step_differs_from_the_intended_split_when_the_warning_is_ign
     """Ignored, the warning's case steps the matrices by both optimizers: far from the intended split.
 
     The plain twin trains what the user meant (AdamW over the other parameters, Muon
-    over the matrices); this is the difference the library used to leave silent.
+    over the matrices); the double step is the difference the library used to leave
+    silent. The fix the message names gives the plain twin's weights bit for bit.
     """
     plain = _model()
     model = twin(plain)
@@ -96,6 +97,17 @@ def test_the_double_step_differs_from_the_intended_split_when_the_warning_is_ign
         )
     gap = max((p - q).abs().max().item() for p, q in zip(model.parameters(), plain.parameters()))
     assert gap > 1e-3
+
+    fixed = _model()  # the fix the warning names: the same split as the plain twin, over the leaves
+    fixed_storage = register_flat_storage(fixed)
+    fixed_storage.unflatten()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(
+            fixed, [torch.optim.AdamW(_others(fixed), lr=1e-2), torch.optim.Muon(_matrices(fixed), lr=1e-2)]
+        )
+    for (name, p), q in zip(fixed.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
 
 
 def _flat_and_leaves(model: nn.Module, storage: FlatStorage) -> list[torch.optim.Optimizer]:
