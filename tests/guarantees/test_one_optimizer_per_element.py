@@ -240,6 +240,36 @@ def test_an_ema_updating_with_lerp_beside_the_optimizer_stays_silent():
                     flat.lerp_(average, 0.5)  # an EMA written back (post-hoc averaging)
 
 
+class _Lookahead(torch.optim.Optimizer):
+    """A wrapper as timm's Lookahead: the inner optimizer's param groups, its step inside this one's."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        super().__init__([{"params": [p for group in inner.param_groups for p in group["params"]]}], {})
+        self.inner = inner
+        self.param_groups = inner.param_groups
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        self.inner.step()
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.mul_(0.999)  # the slow weights' pull, element-wise
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["flat-mode", "per-tensor-mode"])
+def test_a_wrapper_sharing_the_param_groups_of_its_inner_optimizer_stays_silent(per_tensor):
+    """A wrapper that steps its inner optimizer over the same parameters is one optimizer."""
+    model = _model()
+    storage = register_flat_storage(model)
+    if per_tensor:
+        storage.unflatten()
+    opt = _Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message="flat mode: ")  # no listed element-wise class
+        _train(model, [opt])
+
+
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["flat-mode", "per-tensor-mode"])
 def test_sharded_and_zero_optimizers_stepping_an_inner_optimizer_stay_silent(world1, per_tensor):
     """``ShardedOptimizer`` and torch's ZeroRedundancyOptimizer step an inner optimizer over their memory."""
