@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .leaves import storage_of_leaf
+from .leaves import slot_of_leaf, storage_of_leaf
 
 __all__ = ["ELEMENTWISE", "check_modes", "elementwise_warning", "forget_optimizer", "twice_warning"]
 
@@ -176,6 +176,8 @@ class _Reach:
 
 #: ``id(optimizer) -> what it steps``, for each optimizer checked at a step (the entry leaves with it).
 _REACH: dict[int, _Reach] = {}
+#: ``element -> ids of the optimizers in _REACH that step it``.
+_HOLDERS: dict[tuple[int, int], set[int]] = {}
 
 
 def twice_warning(optimizer: Any, groups: list[dict[str, Any]], flat_type: type[Any]) -> str | None:
@@ -199,7 +201,10 @@ def twice_warning(optimizer: Any, groups: list[dict[str, Any]], flat_type: type[
         within,
         before.told if before else [],
     )
+    forget_optimizer(id(optimizer))
     _REACH[id(optimizer)] = reach
+    for element in reach.elements:
+        _HOLDERS.setdefault(element, set()).add(id(optimizer))
     if _clash(reach) is not None:
         gc.collect()  # an optimizer replaced by this one may wait for the cycle collector
     clash = _clash(reach)
@@ -224,8 +229,13 @@ def twice_warning(optimizer: Any, groups: list[dict[str, Any]], flat_type: type[
 
 
 def forget_optimizer(key: int) -> None:
-    """Forget what the optimizer of ``id`` ``key`` steps (it is gone)."""
-    _REACH.pop(key, None)
+    """Forget what the optimizer of ``id`` ``key`` steps (it is gone, or is checked again)."""
+    reach = _REACH.pop(key, None)
+    for element in reach.elements if reach else ():
+        holders = _HOLDERS[element]
+        holders.discard(key)
+        if not holders:
+            del _HOLDERS[element]
 
 
 def _clash(reach: _Reach) -> tuple[Any, list[tuple[int, int]]] | None:
@@ -233,7 +243,8 @@ def _clash(reach: _Reach) -> tuple[Any, list[tuple[int, int]]] | None:
     mine = reach.optimizer()
     if not reach.elements or mine is None:
         return None
-    for entry in list(_REACH.values()):
+    others = {key for element in reach.elements for key in _HOLDERS.get(element, ())}
+    for entry in [_REACH[key] for key in others if key in _REACH]:
         other = entry.optimizer()
         if other is None or other is mine or reach.group_ids & entry.group_ids:
             continue
@@ -249,7 +260,6 @@ def _clash(reach: _Reach) -> tuple[Any, list[tuple[int, int]]] | None:
 def _elements(groups: list[dict[str, Any]], flat_type: type[Any]) -> dict[tuple[int, int], tuple[str, str]]:
     """Return ``(id(flat parameter), slot index) -> (qualified name, how)`` of each slot ``groups`` train."""
     found: dict[tuple[int, int], tuple[str, str]] = {}
-    slots_of: dict[int, dict[int, tuple[tuple[int, int], str]]] = {}
     for param in _params(groups):
         if not getattr(param, "requires_grad", False):
             continue
@@ -257,18 +267,10 @@ def _elements(groups: list[dict[str, Any]], flat_type: type[Any]) -> dict[tuple[
             for index, name in enumerate(param.metadata()[0]):
                 found[(id(param), index)] = (name, "through a flat parameter")
             continue
-        owner = storage_of_leaf(param)
-        if owner is None:
-            continue
-        storage = owner[0]
-        if id(storage) not in slots_of:
-            flats = [group.flat for group in storage.groups()]
-            slots_of[id(storage)] = {
-                id(slot.param): ((id(flats[slot.group_index]), slot.index), slot.name)
-                for slot in storage.slots()
-            }
-        element, name = slots_of[id(storage)][id(param)]
-        found[element] = (name, "through its leaf")
+        owner = slot_of_leaf(param)
+        if owner is not None:
+            storage, slot = owner
+            found[(id(storage.groups()[slot.group_index].flat), slot.index)] = (slot.name, "through its leaf")
     return found
 
 
