@@ -24,8 +24,9 @@ by group name) never warn.
 
 The check is a global optimizer step pre-hook, installed with the first
 :class:`FlatParameter`. It also runs the checks of ``step_checks.py``: leaf
-parameters of unflattened mode stepped in flat mode (raises), and an
-optimizer that is not element-wise over flat parameters (warns once). After
+parameters of unflattened mode stepped in flat mode (raises), an
+optimizer that is not element-wise over flat parameters (warns once), and
+memory that another optimizer steps too (warns once). After
 an optimizer's first step it costs one dict lookup per step; an optimizer
 whose groups change (``add_param_group``), or any storage's mode, is checked
 again, and warned about once at most per warning.
@@ -45,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .compiling import never_traced
 from .leaves import EPOCH
-from .step_checks import check_modes, elementwise_warning
+from .step_checks import check_modes, elementwise_warning, forget_optimizer, twice_warning
 
 __all__ = ["watch_optimizers"]
 
@@ -101,6 +102,7 @@ def _check(
     warnings_due = (
         ("decay", _mismatch(groups, flat_type, _asked(optimizer))),
         ("elementwise", elementwise_warning(optimizer, groups, flat_type)),
+        ("twice", twice_warning(optimizer, groups, flat_type)),
     )
     for kind, message in warnings_due:
         if message is not None and (key, kind) not in _warned:
@@ -129,7 +131,8 @@ def _asked(optimizer: Any) -> dict[str, Any]:
 
 def _forget(key: int) -> None:
     _checked.pop(key, None)
-    _warned.difference_update({(key, "decay"), (key, "elementwise")})
+    forget_optimizer(key)
+    _warned.difference_update({(key, "decay"), (key, "elementwise"), (key, "twice")})
 
 
 def _decay(group: dict[str, Any]) -> float:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .transaction import Transaction
 
-__all__ = ["EPOCH", "mode_changed", "register_leaves", "storage_of_leaf"]
+__all__ = ["EPOCH", "mode_changed", "register_leaves", "slot_of_leaf", "storage_of_leaf"]
 
 #: Moves at every registration, removal and mode change of any storage (``EPOCH[0]``).
 EPOCH = [0]
@@ -76,10 +76,19 @@ def _forget(key: int) -> None:
 
 def storage_of_leaf(param: Any) -> tuple[Any, str] | None:
     """Return ``(storage, qualified name)`` if ``param`` is a leaf of a live storage, else ``None``."""
+    owner = slot_of_leaf(param)
+    if owner is None:
+        return None
+    return owner[0], _OWNERS[id(param)][1]
+
+
+def slot_of_leaf(param: Any) -> tuple[Any, Any] | None:
+    """Return ``(storage, its records.Slot)`` if ``param`` is a leaf of a live storage, else ``None``."""
     found = _OWNERS.get(id(param))
-    if found is None:
+    storage = None if found is None else found[0]()
+    if storage is None:
         return None
-    storage = found[0]()
-    if storage is None or not any(slot.param is param for slot in storage.slots()):
-        return None
-    return storage, found[1]
+    for slot in storage.slots():
+        if slot.param is param:
+            return storage, slot
+    return None

@@ -1,4 +1,4 @@
-"""Before an optimizer steps: parameters of the mode the storage is not in, and per-tensor math in flat mode.
+"""Before an optimizer steps: the other mode's parameters, per-tensor math in flat mode, memory stepped twice.
 
 Run by the global optimizer step pre-hook of ``decay_check.py``:
 
@@ -17,15 +17,32 @@ Run by the global optimizer step pre-hook of ``decay_check.py``:
   subclasses that do not override ``step``) never warn; any other optimizer
   over a flat parameter warns once, naming the fix. Silence it with
   ``warnings.filterwarnings("ignore", message="flat mode: ")``.
+* :func:`twice_warning` (once per optimizer): the flat parameters and the
+  leaves of per-tensor mode are the same memory, so an element reachable
+  through two optimizers (one over ``storage.flat_params``, one over leaves;
+  two over leaves; one built in each mode) is stepped twice. What each
+  optimizer steps is recorded at its first step (held weakly: an optimizer
+  that is gone counts no more) and compared with the others'; an optimizer
+  stepped inside another's ``step`` (ZeRO's, ``ShardedOptimizer``'s or
+  Lookahead's inner one) or sharing its param groups (a framework's wrapper)
+  is part of it. Silence it with
+  ``warnings.filterwarnings("ignore", message="two optimizers: ")``.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+import weakref
+from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
-from .leaves import storage_of_leaf
+import torch
 
-__all__ = ["ELEMENTWISE", "check_modes", "elementwise_warning"]
+from .leaves import slot_of_leaf, storage_of_leaf
+
+__all__ = ["ELEMENTWISE", "check_modes", "elementwise_warning", "forget_optimizer", "twice_warning"]
 
 #: Optimizers whose update of each element depends only on that element's own state (and on scalars
 #: shared by the whole step), by the module and name of the class that defines ``step``; a flat
@@ -135,3 +152,136 @@ def _attached(storage: Any) -> bool:
         return False
     return True
 
+
+@dataclass(eq=False)
+class _Reach:
+    """What one optimizer steps of the storages, and the optimizers it is part of.
+
+    Attributes:
+        optimizer: the optimizer (held weakly).
+        group_ids: ``id`` of its ``param_groups`` list and of each group dict (a wrapper shares them).
+        elements: ``(id(flat parameter), slot index) -> (qualified name, how it is held)`` of each slot
+            it steps (through the flat parameter or through the slot's leaf).
+        within: the optimizers whose ``step`` ran around its check (ZeRO, ``ShardedOptimizer`` and
+            Lookahead step an inner optimizer over the same memory).
+        told: the optimizers a warning about this one was given with.
+    """
+
+    optimizer: weakref.ref[Any]
+    group_ids: frozenset[int]
+    elements: dict[tuple[int, int], tuple[str, str]]
+    within: list[weakref.ref[Any]] = field(default_factory=list)
+    told: list[weakref.ref[Any]] = field(default_factory=list)
+
+
+#: ``id(optimizer) -> what it steps``, for each optimizer checked at a step (the entry leaves with it).
+_REACH: dict[int, _Reach] = {}
+#: ``element -> ids of the optimizers in _REACH that step it``.
+_HOLDERS: dict[tuple[int, int], set[int]] = {}
+
+
+def twice_warning(optimizer: Any, groups: list[dict[str, Any]], flat_type: type[Any]) -> str | None:
+    """Record what ``optimizer`` steps; return the warning if another live optimizer steps some of it.
+
+    The flat parameters and the leaves of per-tensor mode are the same memory: an element reached by
+    two optimizers (one over ``storage.flat_params``, one over leaves, or two over leaves) is updated
+    twice per step. Optimizers that step inside another's ``step`` (wrappers), or that share its param
+    groups, are one optimizer. Runs at an optimizer's first step (and again after a change of its
+    groups or of any storage's mode); an optimizer already garbage-collected counts no more.
+    """
+    before = _REACH.get(id(optimizer))
+    within = before.within if before else []
+    for outer in _stepping_around(optimizer):
+        if not any(ref() is outer for ref in within):
+            within.append(weakref.ref(outer))
+    reach = _Reach(
+        weakref.ref(optimizer),
+        frozenset({id(groups), *(id(group) for group in groups)}),
+        _elements(groups, flat_type),
+        within,
+        before.told if before else [],
+    )
+    forget_optimizer(id(optimizer))
+    _REACH[id(optimizer)] = reach
+    for element in reach.elements:
+        _HOLDERS.setdefault(element, set()).add(id(optimizer))
+    if _clash(reach) is not None:
+        gc.collect()  # an optimizer replaced by this one may wait for the cycle collector
+    clash = _clash(reach)
+    if clash is None:
+        return None
+    other, shared = clash
+    reach.told.append(weakref.ref(other))
+    _REACH[id(other)].told.append(reach.optimizer)
+    name, how = reach.elements[shared[0]]
+    _, other_how = _REACH[id(other)].elements[shared[0]]
+    more = f" and {len(shared) - 1} more tensor(s)" if len(shared) > 1 else ""
+    return (
+        "two optimizers: each element of a flat storage is stepped by one optimizer, since the flat "
+        "parameters and the per-tensor leaves are the same memory; but "
+        f"{type(optimizer).__name__} ({how}) and {type(other).__name__} ({other_how}) both step "
+        f"'{name}'{more}, so each step updates them twice. Build the optimizers over disjoint parts, e.g. "
+        "in per-tensor mode Muon([p for p in model.parameters() if p.ndim == 2]) and AdamW([p for p in "
+        "model.parameters() if p.ndim != 2]) rather than AdamW(storage.flat_params), which holds every "
+        "tensor; if one replaced the other, drop the old one (`del` every reference to it). Silence this "
+        "with warnings.filterwarnings('ignore', message='two optimizers: ')"
+    )
+
+
+def forget_optimizer(key: int) -> None:
+    """Forget what the optimizer of ``id`` ``key`` steps (it is gone, or is checked again)."""
+    reach = _REACH.pop(key, None)
+    for element in reach.elements if reach else ():
+        holders = _HOLDERS[element]
+        holders.discard(key)
+        if not holders:
+            del _HOLDERS[element]
+
+
+def _clash(reach: _Reach) -> tuple[Any, list[tuple[int, int]]] | None:
+    """Return another live optimizer stepping some of ``reach``'s elements, with the shared ones."""
+    mine = reach.optimizer()
+    if not reach.elements or mine is None:
+        return None
+    others = {key for element in reach.elements for key in _HOLDERS.get(element, ())}
+    for entry in [_REACH[key] for key in others if key in _REACH]:
+        other = entry.optimizer()
+        if other is None or other is mine or reach.group_ids & entry.group_ids:
+            continue
+        related = (*reach.within, *entry.within, *reach.told)
+        if any(ref() is other or ref() is mine for ref in related):
+            continue
+        shared = [element for element in reach.elements if element in entry.elements]
+        if shared:
+            return other, shared
+    return None
+
+
+def _elements(groups: list[dict[str, Any]], flat_type: type[Any]) -> dict[tuple[int, int], tuple[str, str]]:
+    """Return ``(id(flat parameter), slot index) -> (qualified name, how)`` of each slot ``groups`` train."""
+    found: dict[tuple[int, int], tuple[str, str]] = {}
+    for param in _params(groups):
+        if not getattr(param, "requires_grad", False):
+            continue
+        if isinstance(param, flat_type):
+            for index, name in enumerate(param.metadata()[0]):
+                found[(id(param), index)] = (name, "through a flat parameter")
+            continue
+        owner = slot_of_leaf(param)
+        if owner is not None:
+            storage, slot = owner
+            found[(id(storage.groups()[slot.group_index].flat), slot.index)] = (slot.name, "through its leaf")
+    return found
+
+
+def _stepping_around(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """Return the other optimizers whose ``step`` is running now, around this one's."""
+    outer = []
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "step":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer) and owner is not optimizer:
+                outer.append(owner)
+        frame = frame.f_back
+    return outer
