@@ -72,17 +72,7 @@ _QUANTIZERS = (
 OUTSIDE: tuple[OutsideWrapper, ...] = (
     OutsideWrapper(
         feature="DCP state dicts in the plain model's names",
-        functions=tuple(
-            (_DCP, name)
-            for name in (
-                "_iterate_valid_model_state",
-                "_verify_options",
-                "_init_optim_state",
-                "_get_optim_state_dict",
-                "_load_optim_state_dict",
-                "_get_fqns",
-            )
-        ),
+        functions=tuple((_DCP, name) for name in dcp.WRAPPED),
         patch=dcp.patch,
         why=(
             "`get_state_dict` / `set_state_dict` (and their model and optimizer halves) walk "

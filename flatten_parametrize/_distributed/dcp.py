@@ -59,10 +59,10 @@ from .._core.on_import import is_ours, wrapper_of
 from .._state.attach_optim import own_format
 from .sharded import ShardedOptimizer, init_state
 
-__all__ = ["patch"]
+__all__ = ["WRAPPED", "patch"]
 
 #: The functions wrapped (all or none).
-_WRAPPED = (
+WRAPPED = (
     "_iterate_valid_model_state",
     "_verify_options",
     "_init_optim_state",
@@ -438,9 +438,9 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any], ModuleType], Callable[..., An
 
 def patch(dsd: ModuleType) -> None:
     """Wrap the functions of ``dsd`` (DCP's ``state_dict`` module), once; none if one is missing."""
-    if not all(callable(getattr(dsd, name, None)) for name in _WRAPPED + _USED):
+    if not all(callable(getattr(dsd, name, None)) for name in WRAPPED + _USED):
         return  # another torch: leave DCP as it is rather than half wrapped
-    for name in _WRAPPED:
+    for name in WRAPPED:
         current = getattr(dsd, name)
         if not is_ours(current):
             setattr(dsd, name, wrapper_of(current, _WRAPPERS[name](current, dsd)))
