@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(3):
             calls[name]()
     times = call_by_call(calls, args.turns)
-    print(f"{args.model}, {row}, {args.turns} turns, {args.threads} threads; "
-          f"ratios to {base} (lower is faster)")
+    print(
+        f"{args.model}, {row}, {args.turns} turns, {args.threads} threads; ratios to {base} (lower is faster)"
+    )
     print_call_by_call(times, base, ms_digits=2)
 
 

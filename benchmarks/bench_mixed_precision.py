@@ -13,7 +13,9 @@ turns (``benchmarks/_processes.py``):
 * ``hand-written mixed``: the plain model's float32 masters cast by hand to
   bfloat16 leaves once per step (per-parameter casts), micro-batches through
   ``functional_call``, each bf16 gradient added into the master's float32 ``.grad``;
-* ``flat + policy``: ``register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(bf16))``.
+* ``flat + policy``: ``register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(bf16))``;
+* ``per-tensor + policy``: the same, then ``storage.unflatten()`` for the whole run (float32 leaf
+  parameters stepped by the optimizer, each forward computing with the bf16 compute copy).
 
 Beside each contender: the bytes per parameter it keeps (master + compute copy
 + gradient). Quality: 300 AdamW steps (lr 1e-4) of the tiny GPT-2 on a fixed
@@ -47,15 +49,18 @@ from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_mo
 
 __all__ = ["CONTENDERS", "run"]
 
-FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY = (
+FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY, PT_POLICY = (
     "plain float32",
     "plain autocast",
     "flat autocast",
     "plain bfloat16",
     "hand-written mixed",
     "flat + policy",
+    "per-tensor + policy",
 )
-CONTENDERS = (FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY)
+CONTENDERS = (FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY, PT_POLICY)
+#: The contenders held to :data:`TARGETS`.
+CHECKED = (POLICY, PT_POLICY)
 #: The contenders of the quality run.
 QUALITY = (FP32, AUTOCAST, POLICY, BF16)
 MODELS = ("encoder", "gpt2")
@@ -202,8 +207,12 @@ class _Trainer:
         self.hand = contender == HAND
         if contender == FLAT_AUTOCAST:
             register_flat_storage(model)
-        elif contender == POLICY:
-            register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        elif contender in (POLICY, PT_POLICY):
+            storage = register_flat_storage(
+                model, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+            )
+            if contender == PT_POLICY:
+                storage.unflatten()
             self.compute_bytes = 2
         elif contender == BF16:
             model = model.bfloat16()
@@ -435,10 +444,11 @@ def run(settings: Settings) -> Report:
         )
         for row in ROWS:
             res = results[f"{model}/{row}"]
-            for base, target in TARGETS[row]:
-                report.checks.append(
-                    at_most(f"{model} {row}: flat + policy / {base}", ratio(res, POLICY, base), target)
-                )
+            for name in CHECKED:
+                for base, target in TARGETS[row]:
+                    report.checks.append(
+                        at_most(f"{model} {row}: {name} / {base}", ratio(res, name, base), target)
+                    )
     report.tables.append(_quality_table(quality, size["quality_steps"], settings.quick))
     report.tables.append(on_ranks)
     loss_ratio = quality[POLICY]["loss"] / quality[AUTOCAST]["loss"]

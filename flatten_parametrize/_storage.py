@@ -31,6 +31,7 @@ from ._features.offload import DiskOffload
 from ._inspect.plot import plot_layout
 from ._inspect.summary import storage_html, storage_repr, summary_table
 from ._install.coordinator import FlatTensors, StorageCore
+from ._install.leaf_writes import settle
 from ._state.attach_optim import OptimizerAttachment, attach_optimizer
 
 if TYPE_CHECKING:
@@ -63,8 +64,20 @@ class FlatStorage:
         ['flat_param_0']
     """
 
-    __slots__ = ("__weakref__", "_core")
-    _core: StorageCore
+    __slots__ = ("__weakref__", "_held")
+    _held: StorageCore
+
+    @property
+    def _core(self) -> StorageCore:
+        # In per-tensor mode outside code writes to plain modules: each call that works on the buffers
+        # lands what it changed first (``_install/leaf_writes.py``), which may lay the groups out again
+        # (a new core). Inspection (module, group names, param_infos, repr) reads ``_held``.
+        core = self._held
+        return core if core.is_flattened else settle(core)
+
+    @_core.setter
+    def _core(self, core: StorageCore) -> None:
+        self._held = core
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
@@ -72,9 +85,9 @@ class FlatStorage:
             "(or get_flat_storage(module) for the storage already registered)"
         )
 
-    def _feature(self, kind: type[F]) -> F:
+    def _feature(self, kind: type[F], *, settle_first: bool = True) -> F:
         """Return the feature of type ``kind`` on the core, composing a new one on first use."""
-        core = self._core
+        core = self._core if settle_first else self._held
         feature = core.feature(kind)
         if feature is None:
             feature = kind(core)  # type: ignore[call-arg]
@@ -83,12 +96,12 @@ class FlatStorage:
 
     def __getstate__(self) -> None:
         # Refused as the core refuses it: the registered module pickles itself (``_install/pickling.py``).
-        self._core.__getstate__()
+        self._held.__getstate__()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         # The storage of the copied module: copying the module copies its core (``_install/copying.py``).
-        copy.deepcopy(self._core.module_unchecked, memo)
-        return facade_of(memo[id(self._core)])
+        copy.deepcopy(self._held.module_unchecked, memo)
+        return facade_of(memo[id(self._held)])
 
     @property
     def module(self) -> nn.Module:
@@ -97,7 +110,7 @@ class FlatStorage:
         Raises:
             RuntimeError: if the module was garbage collected or the storage removed.
         """
-        return self._core.module
+        return self._held.module
 
     @property
     def flat_params(self) -> list[FlatParameter]:
@@ -107,7 +120,7 @@ class FlatStorage:
     @property
     def group_names(self) -> list[str]:
         """Return the group names, in group order."""
-        return self._core.group_names
+        return self._held.group_names
 
     def __getitem__(self, group: str) -> FlatParameter:
         """Return the flat parameter of ``group``.
@@ -119,17 +132,17 @@ class FlatStorage:
         return self._core.flat_of(group)
 
     def __len__(self) -> int:
-        return len(self._core.groups())
+        return len(self._held.groups())
 
     @property
     def param_infos(self) -> list[ParamInfo]:
         """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
-        return self._core.param_infos
+        return self._held.param_infos
 
     @property
     def is_flattened(self) -> bool:
         """Return whether the module is in flat mode (attributes are views)."""
-        return self._core.is_flattened
+        return self._held.is_flattened
 
     @property
     def mixed_precision(self) -> dict[str, MixedPrecisionPolicy | None]:
@@ -153,9 +166,9 @@ class FlatStorage:
             >>> model[0].weight.dtype, storage["linear"].dtype
             (torch.bfloat16, torch.float32)
         """
-        feature = self._core.feature(MixedPrecision)
+        feature = self._held.feature(MixedPrecision)
         if feature is None:
-            return dict.fromkeys(self._core.group_names)
+            return dict.fromkeys(self._held.group_names)
         return dict(feature.policies)
 
     def named_views(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor]]:
@@ -272,7 +285,7 @@ class FlatStorage:
             >>> storage.is_flattened
             True
         """
-        self._core.flatten(relayout=True)
+        self._held.flatten(relayout=True)
 
     def unflatten(self) -> None:
         """Switch to unflattened (per-tensor) mode: every attribute is a real leaf ``nn.Parameter``.
@@ -381,7 +394,7 @@ class FlatStorage:
         return self._core.flat_state_dict()
 
     def __repr__(self) -> str:
-        return storage_repr(self._core)
+        return storage_repr(self._held)
 
     def summary(self) -> str:
         """Return a text table of every flattened parameter: name, group, offset, numel, shape, dtype.
@@ -399,7 +412,7 @@ class FlatStorage:
             weight  0           0      6  (3, 2)  float32
             bias    0           6      3  (3,)    float32
         """
-        return summary_table(self._core)
+        return summary_table(self._held)
 
     def attach_optimizer(self, optimizer: Any) -> OptimizerAttachment:
         """Make ``optimizer`` save and load the plain model's per-parameter format.
@@ -445,7 +458,7 @@ class FlatStorage:
         return attach_optimizer(self, optimizer)
 
     def _repr_html_(self) -> str:
-        return storage_html(self._core)
+        return storage_html(self._held)
 
     def plot_layout(self, **kwargs: Any) -> Any:
         """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
@@ -474,7 +487,7 @@ class FlatStorage:
             >>> len(fig.axes)
             1
         """
-        return plot_layout(self._core, **kwargs)
+        return plot_layout(self._held, **kwargs)
 
     def all_reduce_grads(self, group: dist.ProcessGroup | None = None, op: str = "mean") -> None:
         """All-reduce the gradient of every flat parameter across ranks, one collective per group.
@@ -625,7 +638,7 @@ class FlatStorage:
             >>> storage = register_flat_storage(nn.Linear(2, 1))
             >>> storage.disable_grad_sync()
         """
-        sync = self._core.feature(GradSync)
+        sync = self._held.feature(GradSync)
         if sync is not None:
             sync.disable()
 
@@ -649,7 +662,7 @@ class FlatStorage:
             ...         model(x).sum().backward()
             >>> model(micro_batches[-1]).sum().backward()  # syncs the sum, if enabled
         """
-        with self._core.no_sync():
+        with self._held.no_sync():
             yield
 
     @property
@@ -659,7 +672,7 @@ class FlatStorage:
         ``False`` again after :meth:`load_to_memory`, ``remove_flat_storage``,
         or a ``module.to()`` that converted or moved the buffers.
         """
-        disk = self._core.feature(DiskOffload)
+        disk = self._held.feature(DiskOffload)
         return disk is not None and bool(disk.backed())
 
     @property
@@ -669,7 +682,7 @@ class FlatStorage:
         Each file holds the raw bytes of the flat parameter (padding included)
         in native byte order. Empty when nothing is offloaded.
         """
-        disk = self._core.feature(DiskOffload)
+        disk = self._held.feature(DiskOffload)
         return {} if disk is None else disk.files()
 
     def offload_to_disk(self, directory: str | os.PathLike[str]) -> None:
@@ -765,7 +778,7 @@ class FlatStorage:
             False [7.0, 7.0]
             tensor([7., 7.])
         """
-        self._feature(DiskOffload).load(keep_files)
+        self._feature(DiskOffload, settle_first=False).load(keep_files)  # a release: not refused
 
     def stack(self, k: int, *, requires_grad: bool = False) -> list[Tensor]:
         """Return ``k`` copies of every flat parameter, stacked: one ``(k, numel)`` tensor per group.

@@ -406,9 +406,10 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
         else (
             storage.is_flattened,
             storage.group_names,
-            [id(f) for f in storage.flat_params],
+            # Read from the core: a call on the storage would first land per-tensor mode's writes.
+            [id(g.flat) for g in core_of(storage).groups()],
             storage.param_infos,
-            [_bits(f) for f in storage.flat_params],
+            [_bits(g.flat) for g in core_of(storage).groups()],
         ),
     }
 
@@ -458,9 +459,10 @@ def assert_unchanged(model: nn.Module, snap: dict[str, Any]) -> None:
         storage = snap["storage"]
         assert storage.is_flattened == was_flat, "flat/unflattened mode changed"
         assert storage.group_names == groups
-        assert [id(f) for f in storage.flat_params] == flat_ids, "a flat parameter was replaced"
+        flats = [g.flat for g in core_of(storage).groups()]
+        assert [id(f) for f in flats] == flat_ids, "a flat parameter was replaced"
         assert storage.param_infos == infos
-        for g, (a, b) in enumerate(zip(flat_bits, [_bits(f) for f in storage.flat_params])):
+        for g, (a, b) in enumerate(zip(flat_bits, [_bits(f) for f in flats])):
             assert _same_bits(a, b), f"flat parameter of group {groups[g]} changed value"
     assert now["state_keys"] == snap["state_keys"], "state_dict keys changed"
     for key, (desc, bits) in snap["state_values"].items():

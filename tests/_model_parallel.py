@@ -68,9 +68,11 @@ def _fit(
     flat: bool, ckpt_dir: Path | None = None, resume: Path | None = None, distributed: bool = True
 ) -> Any:
     module = Net(flat)
-    callbacks = [] if ckpt_dir is None else [
-        ModelCheckpoint(dirpath=ckpt_dir, filename="step", every_n_train_steps=SAVED_AT, save_top_k=-1)
-    ]
+    callbacks = (
+        []
+        if ckpt_dir is None
+        else [ModelCheckpoint(dirpath=ckpt_dir, filename="step", every_n_train_steps=SAVED_AT, save_top_k=-1)]
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,

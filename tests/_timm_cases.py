@@ -61,7 +61,7 @@ def _optimizers(timm_optim: Any) -> tuple[dict[str, Make], dict[str, Make]]:
         "NAdamLegacy", "NAdamW", "RAdamLegacy", "RMSpropTF", "SGDW",
     )  # fmt: skip
     elementwise: dict[str, Make] = {
-        name: (lambda cls: (lambda m: cls(m.parameters(), lr=1e-3)))(getattr(timm_optim, name))
+        name: (lambda cls: lambda m: cls(m.parameters(), lr=1e-3))(getattr(timm_optim, name))
         for name in names
     }
     return per_tensor, elementwise
@@ -74,11 +74,7 @@ def _diff(weights: dict[str, torch.Tensor], plain: dict[str, torch.Tensor]) -> f
 
 
 def _ours(record: list[warnings.WarningMessage]) -> list[str]:
-    return [
-        str(w.message)
-        for w in record
-        if str(w.message).startswith(("flat mode:", "weight decay:"))
-    ]
+    return [str(w.message) for w in record if str(w.message).startswith(("flat mode:", "weight decay:"))]
 
 
 def _train(model: nn.Module, make: Make, mode: str) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -16,6 +16,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .foreign import is_distributed
+from .master_leaf import base_class
 from .names import dtype_name
 
 __all__ = ["misfit"]
@@ -32,7 +33,7 @@ def misfit(value: Any, flat: Tensor) -> str | None:
     """
     if not isinstance(value, Tensor) or is_distributed(value):
         return None
-    if type(value) not in (Tensor, nn.Parameter):
+    if base_class(type(value)) not in (Tensor, nn.Parameter):  # per-tensor mode's masters: their own class
         name = type(value).__name__
         article = "an" if name[:1].lower() in "aeiou" else "a"
         return f"{article} {name} (a tensor subclass)"

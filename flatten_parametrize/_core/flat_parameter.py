@@ -273,7 +273,10 @@ class FlatParameter(nn.Parameter):
     def _over(self, data: torch.Tensor, requires_grad: bool) -> FlatParameter:
         out = torch.Tensor._make_subclass(FlatParameter, data, requires_grad)
         out._names, out._shapes, out._numels, out._offsets = (
-            self._names, self._shapes, self._numels, self._offsets
+            self._names,
+            self._shapes,
+            self._numels,
+            self._offsets,
         )
         return out
 

@@ -141,6 +141,9 @@ class Coordinator(Protocol):
     pending: list[StagedValue] | None
     #: The public ``FlatStorage`` of this core (``None`` until one was handed out).
     facade: Any
+    #: Per-tensor mode's switch (``_install/per_tensor.py``): features call its ``update_hooks()``
+    #: when what their ``forward_sync()`` says changed.
+    per_tensor: Any
 
     @property
     def module(self) -> nn.Module:

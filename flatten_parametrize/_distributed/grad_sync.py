@@ -245,6 +245,14 @@ class GradSync:
         """A copy starts without sync (its hooks left in the module's dicts are inert)."""
         return GradSync(storage)
 
+    def forward_sync(self) -> bool:
+        """Return whether per-tensor mode's forward must land outside writes first: while enabled.
+
+        A parameter that outside code put on the model in per-tensor mode
+        would otherwise train without being averaged (``_install/leaf_writes.py``).
+        """
+        return self.state is not None
+
     def holds_layout(self) -> None:
         """Never: enabled, it follows a new layout (:meth:`relayout_record`)."""
         return None
@@ -305,6 +313,7 @@ class GradSync:
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
         self.state = _SyncState(pg, world, len(storage.groups()))
         self.rehook()
+        storage.per_tensor.update_hooks()
 
     def disable(self) -> None:
         """Stop syncing and remove every hook (see ``FlatStorage.disable_grad_sync``)."""
@@ -321,6 +330,7 @@ class GradSync:
         if storage is not None:
             for group in storage.groups():
                 group.grads.release_sync(self)
+            storage.per_tensor.update_hooks()
 
     # --------------------------------------------------------------- internals
     def rehook(self) -> None:

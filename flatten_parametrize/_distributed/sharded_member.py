@@ -142,6 +142,9 @@ class Member:
     def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> None:
         return None  # the optimizer optimizes the original's flat parameters, not the copy's
 
+    def forward_sync(self) -> bool:
+        return True  # per-tensor mode's forward checks outside writes: they would miss the shards
+
     def holds_layout(self) -> str | None:
         if self._claimant() is None:  # collected: it leaves at once (a finalizer), this only in between
             return None

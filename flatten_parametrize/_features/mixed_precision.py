@@ -64,9 +64,12 @@ from torch.utils._pytree import tree_map_only
 
 from .._core.features import Coordinator, storage_of
 from .._core.foreign import is_fsdp2_compute_param
+from .._core.master_leaf import DIRTY, WATCHED
 from .._core.names import registered_storage
 from .._core.records import Group
+from .._core.transaction import Transaction, atomically
 from .._core.view_cache import WRITE_SCANS
+from .mixed_precision_leaves import LeafCompute
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -230,6 +233,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     masters = _MASTERS
     for group in optimizer.param_groups:
         for param in group["params"]:
+            if WATCHED and id(param) in WATCHED:  # a leaf of per-tensor mode: cast again before a forward
+                DIRTY.add(id(param))
             master = masters.get(id(param))
             if master is not None and master is param:
                 torch.autograd.graph.increment_version(master)
@@ -271,6 +276,11 @@ class MixedPrecision:
                 group.views.cast = policy.param_dtype
                 group.views.invalidate()
         self._hook(storage.module_unchecked)
+        #: Per-tensor mode's part: the leaves swapped for their compute views around each forward.
+        self._leaves = LeafCompute(self._recast, list(self._copies)) if self._copies else None
+        if self._leaves is not None and not storage.is_flattened:  # a copy or a load of per-tensor mode
+            leaves = self._leaves
+            atomically(lambda tx: leaves.begin(storage, tx))
 
     @property
     def _storage(self) -> Coordinator:
@@ -445,9 +455,41 @@ class MixedPrecision:
         copy.own_version = tensor._version
         copy.version = flat._version  # the copy holds the written values already
 
+    def _recast(self, g: int) -> Tensor:
+        """Cast group ``g``'s compute copy from its master now; return it (per-tensor mode's forward)."""
+        self._copies[g].version = -1
+        return self.compute_copy(g, self._storage.groups()[g].flat)
+
+    # ------------------------------------------------------- per-tensor mode
+    def forward_sync(self) -> bool:
+        """Return whether per-tensor mode's forward needs this feature: while a group has a compute copy."""
+        return self._leaves is not None
+
+    def per_tensor_began(self, tx: Transaction) -> None:
+        """Per-tensor mode began: forwards compute with the compute copies (``mixed_precision_leaves``)."""
+        if self._leaves is not None:
+            self._leaves.begin(self._storage, tx)
+
+    def per_tensor_ended(self, tx: Transaction) -> None:
+        """Per-tensor mode ends: the leaves are ordinary again, their modules unhooked."""
+        if self._leaves is not None:
+            self._leaves.end(tx)
+
+    def before_forward(self) -> None:
+        """The registered module's forward in per-tensor mode begins: compute views in the leaves' places."""
+        if self._leaves is not None:
+            self._leaves.before_forward()
+
+    def after_forward(self) -> None:
+        """The registered module's forward in per-tensor mode ended: the leaves back."""
+        if self._leaves is not None:
+            self._leaves.after_forward()
+
     # ------------------------------------------------------------- lifecycle
     def on_rebacked(self) -> None:
         """Cast every compute copy again at its next use (the buffers changed behind their counters)."""
+        if self._leaves is not None:
+            self._leaves.rebacked()
         for copy in self._copies.values():
             copy.version = -1
             if copy.tensor is not None:
@@ -466,6 +508,8 @@ class MixedPrecision:
 
     def on_removed(self) -> None:
         """Forget the compute copies and remove the forward hooks."""
+        if self._leaves is not None:
+            self._leaves.end(None)
         storage = self._storage_ref()
         if storage is not None:
             for group in storage.groups():
@@ -550,9 +594,7 @@ def _unhook(module: nn.Module) -> None:
 
 def _feature_of(module: nn.Module) -> MixedPrecision | None:
     storage = registered_storage(module)
-    if storage is None or not storage.is_flattened:
-        return None
-    return storage.feature(MixedPrecision)
+    return None if storage is None else storage.feature(MixedPrecision)
 
 
 def _cast_to(dtype: torch.dtype, tree: Any) -> Any:

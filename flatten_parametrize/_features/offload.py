@@ -26,6 +26,7 @@ import shutil
 import uuid
 import warnings
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -285,9 +286,14 @@ class DiskOffload:
         storage = self._storage
         _ = storage.module  # raises for a detached storage
         groups = storage.groups()
-        with in_flat_mode(storage):
+        # Per-tensor mode stays: its leaves are views of the mapped buffers and are pointed at the RAM
+        # copies (flat_buffers_replaced). Flattening could refuse what outside code changed on the
+        # model meanwhile (a parameter of another shape), which the storage lays out once loaded.
+        with in_flat_mode(storage) if storage.is_flattened else nullcontext():
             # Allocate (and flush) first: a failure here leaves everything as it was.
             copies = {g: backing.mapped.clone() for g, backing in backed.items()}
+            if not storage.is_flattened:
+                _take_leaf_values(storage, copies)
             if keep_files:
                 for backing in backed.values():
                     _fsync_file(backing.path)
@@ -301,3 +307,18 @@ class DiskOffload:
                 backing.delete.detach()
             else:
                 backing.delete()
+
+
+def _take_leaf_values(storage: Coordinator, copies: dict[int, Tensor]) -> None:
+    """Per-tensor mode: copy into ``copies`` (by group) the leaves given other memory (``.data = t``)."""
+    groups = storage.groups()
+    for slot in storage.slots():
+        copy = copies.get(slot.group_index)
+        if copy is None:
+            continue
+        views = groups[slot.group_index].views
+        target, mapped = views.split(copy)[slot.index], views.split(groups[slot.group_index].flat)[slot.index]
+        leaf = slot.param
+        if leaf.data_ptr() != mapped.data_ptr() and leaf.shape == target.shape and leaf.dtype == target.dtype:
+            with torch.no_grad():
+                target.copy_(leaf.detach())

@@ -60,7 +60,7 @@ F = TypeVar("F")
 FlattenStep = Callable[["StorageCore"], bool]
 
 #: The steps :meth:`StorageCore.flatten` runs, set by :func:`use_flatten_steps` (``injected.assemble``:
-#: ``rehost.flatten_changed``).
+#: ``leaf_writes.flatten_relaid``, ``rehost.flatten_changed``).
 _flatten_steps: tuple[FlattenStep, ...] = ()
 
 
@@ -262,10 +262,12 @@ class StorageCore:
     def add_feature(self, feature: Feature) -> None:
         """Drive ``feature``'s lifecycle from now on."""
         self.features.append(feature)
+        self.per_tensor.update_hooks()
 
     def remove_feature(self, feature: Feature) -> None:
         """Stop driving ``feature``'s lifecycle (nothing happens if it was not added)."""
         self.features = [f for f in self.features if f is not feature]
+        self.per_tensor.update_hooks()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -288,6 +290,7 @@ class StorageCore:
         self._tell_rebacked()
 
     def _tell_rebacked(self) -> None:
+        self.per_tensor.rebacked()
         for feature in list(self.features):
             feature.on_rebacked()
 

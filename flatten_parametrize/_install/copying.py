@@ -23,6 +23,7 @@ from torch import nn
 from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import atomically
+from . import surgery
 from .coordinator import StorageCore
 from .module_classes import base_of, clone_class, is_shared
 from .pickling import copy_alone
@@ -96,9 +97,13 @@ def _fill(new: StorageCore, old: StorageCore, root: nn.Module, memo: dict[int, A
                 UNFLATTENED[memo[id(module)]] = state_copy
             owners.append((memo[id(module)], state_copy))
     new.adopt_members(owners)
-    if not new.is_flattened:  # the copied leaves keep their gradients in the copy's flat gradients
+    if not new.is_flattened:
+        # The copied leaves alias the copy's flat buffers (the same values: the originals aliased
+        # theirs) and keep their gradients in the copy's flat gradients.
+        surgery.refresh_originals(new.groups(), new.slots())
         atomically(new.per_tensor.attach)
     new.features = [c for f in old.features if (c := f.copy_for(new, memo)) is not None]
+    new.per_tensor.update_hooks()  # per-tensor mode's forward hooks, for the features copied
 
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:

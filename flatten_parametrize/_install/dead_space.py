@@ -115,7 +115,9 @@ def _message(storage: Coordinator, dead: list[tuple[Slot, str]]) -> str:
         f"{', '.join(listed)}; {nbytes:,} bytes of dead space in the flat buffer"
     )
     if not storage.is_flattened:
-        return f"{head}, until the next flatten() lays the groups out again without it"
+        return (
+            f"{head}, until the next call on the storage (or flatten()) lays the groups out again without it"
+        )
     return (
         f"{head} (storage.summary() marks it). Reclaim it with `storage.unflatten(); storage.flatten()` "
         "(the groups are laid out again, the flat parameters kept) or remove_flat_storage(model)"

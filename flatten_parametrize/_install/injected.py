@@ -13,7 +13,7 @@ after every module is imported, so no import order decides what a class gets.
 
 from __future__ import annotations
 
-from . import copying, dead_space, module_classes, pickling, rehost, relayout, submodule_walks
+from . import copying, dead_space, leaf_writes, module_classes, pickling, rehost, relayout, submodule_walks
 from .coordinator import FlattenStep, use_flatten_steps
 from .module_classes import Methods, use_methods
 
@@ -50,9 +50,10 @@ METHODS = Methods(
     },
 )
 
-#: What the user's ``flatten()`` runs before it flattens as usual: module swaps, released weights
-#: and dead space of unflattened mode lay the groups out again (rehost.py).
-FLATTEN_STEPS: tuple[FlattenStep, ...] = (rehost.flatten_changed,)
+#: What the user's ``flatten()`` runs before it flattens as usual: parameters of another shape put in
+#: unflattened mode (leaf_writes.py), module swaps, released weights and dead space (rehost.py) lay
+#: the groups out again.
+FLATTEN_STEPS: tuple[FlattenStep, ...] = (leaf_writes.flatten_relaid, rehost.flatten_changed)
 
 
 def assemble() -> None:
@@ -62,4 +63,5 @@ def assemble() -> None:
     """
     use_methods(METHODS)
     use_flatten_steps(FLATTEN_STEPS)
+    leaf_writes.use_relayout(relayout.relayout_flat)
     dead_space.install()

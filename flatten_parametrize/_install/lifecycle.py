@@ -102,7 +102,7 @@ def install_storage(core: StorageCore, tx: Transaction | None = None) -> None:
 
 def remove_in(core: StorageCore, tx: Transaction) -> None:
     """Undo the registration of ``core`` as part of ``tx``: plain parameters with the current values."""
-    aside = surgery.set_aside_misfits(core, tx)  # quantized weights stay as they are
+    aside = surgery.set_aside_replacements(core, tx)  # what outside code put there stays
     core.flatten_in(tx)
     surgery.uninstall(core, tx)
     surgery.put_back(aside, tx)

@@ -267,7 +267,6 @@ def _warn_released(
     )
 
 
-
 def check_relayout(core: StorageCore, what: str) -> None:
     """Raise if ``core`` cannot be laid out again now (see :func:`relayout`)."""
     if core.using_depth:

@@ -41,7 +41,7 @@ __all__ = [
     "put_back",
     "refresh_originals",
     "rewrap_flat_param",
-    "set_aside_misfits",
+    "set_aside_replacements",
     "uninstall",
     "unflatten_module",
     "zero_padding",
@@ -338,19 +338,24 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
 
 
 Aside = list[tuple[nn.Module, str, Any]]
+#: An attribute that a module's ``_parameters`` no longer has (``del layer.weight``).
+MISSING: Any = object()
 
 
-def set_aside_misfits(storage: Coordinator, tx: Transaction) -> Aside:
-    """Unflattened mode: put each slot's leaf back where a tensor that cannot live in its buffer replaced it.
+def set_aside_replacements(storage: Coordinator, tx: Transaction) -> Aside:
+    """Unflattened mode: put each slot's leaf back where something that cannot take its place replaced it.
 
     A weight quantized inside ``unflattened()`` (a tensor subclass) or converted
-    to another dtype has no place in the flat buffer (``_core/fit.py``); while
-    the storage is removed or laid out again, the slot's leaf (which holds the
-    slot's values) stands in for it, and :func:`put_back` returns it to its
-    module afterwards. Undone with ``tx``.
+    to another dtype has no place in the flat buffer (``_core/fit.py``); nor has
+    a parameter of another shape (nanoGPT's ``crop_block_size``), one of two
+    names of a tied slot given a parameter of its own, or a name set to ``None``
+    or deleted. While the storage is removed or laid out again, the slot's leaf
+    (which holds the slot's values) stands in for it, and :func:`put_back`
+    returns it to its module afterwards (the model then holds what outside code
+    put there, as the plain model would). Undone with ``tx``.
 
     Returns:
-        ``(module, attribute, tensor)`` of each replaced entry.
+        ``(module, attribute, tensor)`` of each replaced entry (``MISSING``: deleted).
     """
     if storage.is_flattened:
         return []
@@ -358,11 +363,30 @@ def set_aside_misfits(storage: Coordinator, tx: Transaction) -> Aside:
     groups = storage.groups()
     aside: Aside = []
     for slot in storage.slots():
-        flat = groups[slot.group_index].flat
-        for name in live_names(storage, slot, modules):
+        group = groups[slot.group_index]
+        names = live_names(storage, slot, modules)
+        for name in names:
             owner, attr = locate(modules, name)
-            value = owner._parameters.get(attr)
-            if misfit(value, flat) is not None:
+            value = owner._parameters.get(attr, MISSING)
+            if is_distributed(value):
+                continue
+            if value is slot.param:
+                if misfit(value, group.flat) is None:
+                    continue
+                # Converted in place (``module.to(torch.float64)``): a stand-in with the slot's values.
+                stand_in = nn.Parameter(group.value_views()[slot.index].detach().clone(), value.requires_grad)
+                tx.keep_dict(owner._parameters)
+                owner._parameters[attr] = stand_in
+                tx.set_attr(slot, "param", stand_in)
+                aside.append((owner, attr, value))
+                continue
+            lands = (
+                isinstance(value, Tensor)
+                and misfit(value, group.flat) is None
+                and tuple(value.shape) == group.layout.shapes[slot.index]
+                and len(names) == 1
+            )
+            if not lands:  # a same-shaped parameter of an untied slot lands in the slot instead
                 tx.keep_dict(owner._parameters)
                 owner._parameters[attr] = slot.param
                 aside.append((owner, attr, value))
@@ -370,10 +394,13 @@ def set_aside_misfits(storage: Coordinator, tx: Transaction) -> Aside:
 
 
 def put_back(aside: Aside, tx: Transaction) -> None:
-    """Give each module the tensor that :func:`set_aside_misfits` took from it (undone with ``tx``)."""
+    """Give each module the tensor that :func:`set_aside_replacements` took from it (undone with ``tx``)."""
     for owner, attr, value in aside:
         tx.keep_dict(owner._parameters)
-        owner._parameters[attr] = value
+        if value is MISSING:
+            owner._parameters.pop(attr, None)
+        else:
+            owner._parameters[attr] = value
 
 
 # ------------------------------------------------------------------ mode switches

@@ -14,36 +14,24 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import TiedHead, assert_unchanged, registered_bn_mlp, snapshot
+from _helpers import TiedHead, assert_unchanged, bn_mlp, registered_bn_mlp, snapshot
 
 # ------------------------------------- flatten() after unflattened-mode changes
 
 
-def test_flatten_refuses_a_reassigned_parameter_of_another_shape():
-    """flatten() cannot fit a parameter of another shape: RuntimeError naming it and both shapes."""
+def test_flatten_lays_out_again_without_a_parameter_set_to_none():
+    """A bias set to None in unflattened mode: flatten() holds the model as it is now (other shapes: see
+    ``tests/interop/test_per_tensor_writes.py``)."""
     model, storage = registered_bn_mlp()
-    storage.unflatten()
-    model[0].weight = nn.Parameter(torch.ones(2, 2))
-    snap = snapshot(model)
-    with pytest.raises(
-        RuntimeError,
-        match=r"cannot flatten: 0\.weight has shape \(2, 2\) but its slot in the flat storage holds \(4, 3\)",
-    ):
-        storage.flatten()
-    assert_unchanged(model, snap)
-    assert not storage.is_flattened
-
-
-def test_flatten_refuses_a_parameter_set_to_none():
-    """flatten() needs a parameter under every flattened name: RuntimeError naming the one set to None."""
-    model, storage = registered_bn_mlp()
+    plain = bn_mlp()
     storage.unflatten()
     model[1].bias = None
-    snap = snapshot(model)
-    with pytest.raises(RuntimeError, match=r"cannot flatten: 1\.bias is NoneType, not a parameter"):
-        storage.flatten()
-    assert_unchanged(model, snap)
-    assert not storage.is_flattened
+    plain[1].bias = None
+    storage.flatten()
+    assert storage.is_flattened and model[1].bias is None and "1.bias" not in model.state_dict()
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
 
 
 def test_flatten_refuses_a_reassigned_parameter_without_data_and_writes_nothing():
@@ -59,33 +47,30 @@ def test_flatten_refuses_a_reassigned_parameter_without_data_and_writes_nothing(
     assert not storage.is_flattened
 
 
-def test_flatten_refuses_a_broken_tie():
-    """flatten() keeps ties: names of one tied parameter reassigned apart is a RuntimeError naming both."""
-    model = TiedHead()
+def test_flatten_unties_a_tie_broken_in_unflattened_mode_as_the_plain_model():
+    """One name of a tied pair given a parameter of its own: flatten() keeps them apart, as on plain."""
+    model, plain = TiedHead(), TiedHead()
     storage = register_flat_storage(model)
     storage.unflatten()
-    model.head.weight = nn.Parameter(torch.zeros(5, 4))
-    snap = snapshot(model)
-    with pytest.raises(
-        RuntimeError,
-        match=r"cannot flatten: tied parameter emb\.weight and head\.weight were reassigned separately",
-    ):
-        storage.flatten()
-    assert_unchanged(model, snap)
-    assert not storage.is_flattened
+    for m in (model, plain):
+        m.head.weight = nn.Parameter(torch.zeros(5, 4))
+    storage.flatten()
+    assert storage.is_flattened and model.head.weight is not model.emb.weight
+    assert sum(f.numel() for f in storage.flat_params) == sum(p.numel() for p in plain.parameters())
+    tokens = torch.tensor([[0, 1, 4]])
+    assert torch.equal(model(tokens), plain(tokens))
 
 
-def test_unflattened_context_refuses_to_exit_with_a_reshaped_parameter():
-    """Leaving unflattened() with a parameter of another shape is a RuntimeError naming it."""
+def test_unflattened_context_exits_with_a_reshaped_parameter_laid_out_again():
+    """Leaving unflattened() with a parameter of another shape: the groups hold it, as on plain."""
     model, storage = registered_bn_mlp()
-    with pytest.raises(
-        RuntimeError,
-        match=r"cannot flatten: 0\.weight has shape \(3,\) but its slot in the flat storage holds \(4, 3\)",
-    ):
-        with storage.unflattened():
-            model[0].weight = nn.Parameter(torch.ones(3))
-            snap = snapshot(model)
-    assert_unchanged(model, snap)
+    with storage.unflattened():
+        model[1].weight = nn.Parameter(torch.ones(3))
+        model[1].bias = nn.Parameter(torch.zeros(3))
+    assert storage.is_flattened
+    assert [i.shape for i in storage.param_infos if i.group == "b"] == [torch.Size([3]), torch.Size([3])]
+    assert storage.flat_state_dict()["flat_param_b"].numel() == 6
+    assert torch.equal(model[1].weight, torch.ones(3))
 
 
 # ------------------------------------ flatten() / unflatten() in their own mode

@@ -53,19 +53,15 @@ def test_remove_refuses_a_non_module():
         remove_flat_storage({})  # type: ignore[arg-type]
 
 
-def test_remove_refuses_a_reshaped_parameter_in_unflattened_mode():
-    """remove_flat_storage cannot write back a parameter of another shape: RuntimeError, nothing removed."""
+def test_remove_leaves_a_reshaped_parameter_of_unflattened_mode_as_the_plain_model():
+    """remove_flat_storage after a parameter of another shape was put in unflattened mode: the plain model."""
     model, storage = registered_bn_mlp()
     storage.unflatten()
-    model[0].weight = nn.Parameter(torch.zeros(2, 2))
-    snap = snapshot(model)
-    with pytest.raises(
-        RuntimeError, match=r"cannot flatten: 0\.weight has shape \(2, 2\) but its slot .* holds \(4, 3\)"
-    ):
-        remove_flat_storage(model)
-    assert_unchanged(model, snap)
-    assert get_flat_storage(model) is storage
-    assert not storage.is_flattened
+    new = nn.Parameter(torch.zeros(2, 2))
+    model[0].weight = new
+    remove_flat_storage(model)
+    assert get_flat_storage(model) is None and model[0].weight is new
+    assert all(type(p) is nn.Parameter and p.is_leaf for p in model.parameters())
 
 
 # ----------------------------------- storage[...], a detached storage, pickling

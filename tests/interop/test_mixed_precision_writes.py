@@ -87,10 +87,10 @@ def _maybe_unflattened(storage: Any, unflattened: bool) -> Iterator[None]:
 def test_torch_ema_evaluates_the_ema_weights_and_restores_the_training_weights(unflattened):
     """torch_ema's ``average_parameters()`` evaluates the EMA weights; after it, training goes on exactly.
 
-    In flat mode the EMA tracks the flat parameters and the evaluation runs in
-    bfloat16; with ``unflattened()`` it tracks the leaf parameters and evaluates the
-    plain float32 model that mode is. Either way ``restore()`` writes the training
-    weights back through ``.data`` and the next steps equal the reference's.
+    In flat mode the EMA tracks the flat parameters; with ``unflattened()`` it tracks
+    the float32 leaf parameters. Either way the evaluation runs in bfloat16 (per-tensor
+    mode keeps the policy), ``restore()`` writes the training weights back through
+    ``.data`` and the next steps equal the reference's.
     """
     plain, model, storage = _pair()
     reference = cast_per_forward(plain)
@@ -105,7 +105,7 @@ def test_torch_ema_evaluates_the_ema_weights_and_restores_the_training_weights(u
         with _maybe_unflattened(storage, unflattened):
             ema.update()
         plain_ema.update()
-    evaluate = (lambda x: plain(x)) if unflattened else reference  # unflattened(): plain float32
+    evaluate = reference
     trained = reference(batches[0])
     with _maybe_unflattened(storage, unflattened), ema.average_parameters(), plain_ema.average_parameters():
         assert not torch.equal(reference(batches[0]), trained)  # the EMA weights are in
@@ -126,10 +126,8 @@ def test_ema_pytorch_ema_model_follows_every_update(unflattened):
     with _maybe_unflattened(storage, unflattened):
         ema = EMA(model, beta=0.5, update_after_step=0, update_every=1)
     plain_ema = EMA(plain, beta=0.5, update_after_step=0, update_every=1)
-    # The EMA copy of the flattened model keeps its policy in flat mode; in unflattened mode it is a
-    # plain float32 model, as the flattened model itself is there.
-    ema_model = plain_ema.ema_model
-    ema_reference = (lambda x: ema_model(x)) if unflattened else cast_per_forward(ema_model)
+    # The EMA copy of the flattened model keeps its policy, in either mode.
+    ema_reference = cast_per_forward(plain_ema.ema_model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     seen = []
@@ -261,8 +259,16 @@ def test_transformers_init_weights_after_registration_lands():
     """transformers' ``_init_weights`` applied after registering lands in the masters and trains on."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()

@@ -87,8 +87,18 @@ def test_a_per_tensor_optimizer_over_flat_parameters_warns_once_with_the_fix():
 
 @pytest.mark.parametrize(
     "cls",
-    [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
-     torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax, torch.optim.Adadelta, torch.optim.Rprop],
+    [
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+        torch.optim.Adamax,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+    ],
 )
 def test_element_wise_optimizers_never_warn(cls):
     """torch's element-wise optimizers over flat parameters: no warning."""

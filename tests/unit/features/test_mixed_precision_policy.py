@@ -252,18 +252,20 @@ def test_a_write_into_a_view_and_a_master_step_unseen_between_raises():
     assert torch.equal(model.up.weight, dict(storage.views_of(storage.flat_params))["up.weight"].bfloat16())
 
 
-def test_unflattened_and_removal_give_the_float32_plain_model():
-    """``unflattened()`` is a float32 plain model (no input casts); removal leaves float32 parameters."""
+def test_unflattened_keeps_the_policy_and_removal_gives_the_float32_plain_model():
+    """``unflattened()``: float32 leaves, bf16 forward (see ..._per_tensor.py); removal: float32."""
     model = _Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     with storage.unflattened():
-        assert model.up.weight.dtype == torch.float32 and model(_batches(1)[0]).dtype == torch.float32
+        assert model.up.weight.dtype == torch.float32 and model(_batches(1)[0]).dtype == torch.bfloat16
     expected = model.state_dict()
     remove_flat_storage(model)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {type(p) for p in model.parameters()} == {nn.Parameter}
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert model(_batches(1)[0]).dtype == torch.float32
     assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def test_a_group_with_a_policy_and_one_without():

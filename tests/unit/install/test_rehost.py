@@ -149,6 +149,13 @@ def test_features_holding_the_layout_refuse_the_release_and_keep_unflattened_mod
     flat[2].weight = new
     with pytest.raises(RuntimeError, match=r"cannot run flatten\(\) on a flattened module while DiskOffload"):
         storage.flatten()
-    assert not storage.is_flattened and flat[2].weight is new and storage.flat_params[0].numel() == 90
+    assert not storage.is_flattened and flat[2].weight is new
+    with pytest.raises(
+        RuntimeError,
+        match=r"changed the model in per-tensor mode \(2.weight was replaced by a tensor of "
+        r"float64, not float32\), but DiskOffload hold\(s\) the flat storage's layout"
+        r".*storage.load_to_memory\(\)",
+    ):
+        storage.flat_params  # noqa: B018 - a whole-buffer call would miss the new weight
     remove_flat_storage(flat)  # the plain model, with the new weight
     assert get_flat_storage(flat) is None and flat[2].weight is new

@@ -233,13 +233,14 @@ def test_partial_flat_load_non_strict_reports_the_missing_group_by_original_name
     assert torch.equal(target_storage["w"], storage["w"]) and torch.equal(target_storage["b"], before_b)
 
 
-def test_flat_state_dict_in_unflattened_mode_has_current_values_and_changes_nothing():
-    """flat_state_dict() while unflattened reflects reassigned parameters without toggling modes."""
+def test_flat_state_dict_in_unflattened_mode_has_current_values_without_toggling():
+    """flat_state_dict() while unflattened: a reassigned parameter lands in its slot first, mode kept."""
     model = mlp(1)
     storage = register_flat_storage(model)
     storage.unflatten()
     weight = model[0].weight
     model[0].bias = nn.Parameter(torch.full((5,), 3.0))
     flat = storage.flat_state_dict()["flat_param_0"]
-    assert flat[25:].eq(3).all() and not storage["0"][25:].eq(3).all()
+    assert flat[25:].eq(3).all() and storage["0"][25:].eq(3).all()
+    assert model[0].bias.data_ptr() == storage["0"][25:].data_ptr()  # the new leaf is its slot
     assert not storage.is_flattened and model[0].weight is weight

@@ -1,0 +1,314 @@
+"""Mixed precision in per-tensor mode: the leaves are the masters, forwards compute with the compute copy.
+
+In per-tensor mode (``unflatten()``, ``unflattened()``) each flattened
+attribute is a real leaf ``nn.Parameter`` of the master dtype, on its original
+module class, aliasing its slot of the flat buffer: the optimizer steps it. For
+a forward to compute in ``param_dtype``, :class:`LeafCompute` puts each leaf's
+**compute view** (its slot of the group's compute copy,
+``MixedPrecision.compute_copy``) in the leaf's place for the length of the
+forward, as FSDP2 puts its unsharded parameters in place of the sharded ones,
+and puts the leaf back after it (also when the forward raised):
+
+* The registered module's forward swaps every leaf (its per-tensor hooks,
+  ``_install/per_tensor.py``, call :meth:`LeafCompute.before_forward` and
+  :meth:`LeafCompute.after_forward`), so that code reading a weight outside
+  its module's own forward (a tied head's ``x @ wte.weight.T``) computes in
+  ``param_dtype`` too. A module that owns leaves swaps its own when it is
+  called outside that forward: a submodule called directly, activation
+  checkpointing's recomputation in backward (forward pre-hooks and
+  always-called forward hooks on those modules).
+* The compute views are the outputs of one autograd node per owning module
+  (:class:`_LeafCast`) whose inputs are that module's leaves: backward converts
+  each gradient to the master dtype and autograd accumulates it into the leaf,
+  whose ``.grad`` is its slot of the master-dtype flat gradient
+  (``_core/leaf_grads.py``). So DDP's reducer, comm hooks and per-parameter
+  hooks see the leaves' gradients as on the plain model. The nodes are made
+  once per compute copy and serve every forward (they hold nothing); in
+  ``no_grad`` and ``inference_mode`` forwards the views are served detached.
+* When the copy is cast: at each forward, each group's leaves' ``_version``
+  (and the flat parameter's) are compared with those at its last cast, and
+  the leaves whose ``.data`` was read or that a fused step updated (neither
+  moves a version counter: ``_core/master_leaf.py``) are looked up. One cast
+  per group after a change, none for a forward when nothing changed.
+* Under ``torch.compile`` and tracing the swap puts ``leaf.to(param_dtype)`` in
+  the leaf's place: the cast is part of the graph, nothing is cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._core.master_leaf import DIRTY, WATCHED, base_class, master_class
+from .._core.records import Coordinator, Group
+from .._core.transaction import Transaction
+
+__all__ = ["LeafCompute"]
+
+#: ``(module, attribute, leaf, compute view)`` of each swap, to put the leaf back.
+_Swap = tuple[nn.Module, str, Tensor, Tensor]
+
+#: Each module that owns leaves of a group with a compute copy -> its storage's :class:`LeafCompute`.
+_OWNER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref[LeafCompute]] = weakref.WeakKeyDictionary()
+
+
+class _LeafCast(torch.autograd.Function):  # the name shows in graphs: _LeafCastBackward
+    """The compute views of one module's leaves as the outputs of one node whose inputs are the leaves."""
+
+    @staticmethod
+    def forward(views: tuple[Tensor, ...], *leaves: Tensor) -> tuple[Tensor, ...]:
+        # Detached aliases of the compute copy (as ``split_node._GroupSplit`` serves flat mode's views):
+        # a cast after a step updates them in place, and autograd's own check refuses a backward whose
+        # saved weights changed since, as on the plain model.
+        return tuple(view.detach() for view in views)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dtypes = tuple(leaf.dtype for leaf in inputs[1:])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+
+
+@dataclass
+class _GroupLeaves:
+    """One group's leaves, where they live, and the compute views served from its copy."""
+
+    #: ``(owner module, attribute, slot index, leaf)`` of every live name.
+    targets: list[tuple[nn.Module, str, int, Tensor]]
+    #: Slot index -> its leaf.
+    leaves: dict[int, Tensor]
+    #: The module of each slot's first name -> the slots whose node it makes.
+    by_owner: dict[int, list[int]]
+    #: ``(flat._version, *leaf._version)`` at the last cast (empty: cast at the next forward).
+    versions: tuple[int, ...] = ()
+    #: The compute copy the views were split from.
+    copy: Tensor | None = None
+    #: Slot index -> its detached view, and its view out of a :class:`_LeafCast` node.
+    plain: list[Tensor] = field(default_factory=list)
+    graph: dict[int, Tensor] = field(default_factory=dict)
+
+
+class LeafCompute:
+    """Per-tensor mode's part of a storage's mixed-precision feature (see above).
+
+    Args:
+        recast: ``g -> compute copy``: casts group ``g``'s compute copy from its master now.
+        groups: the indices of the groups that have a compute copy.
+    """
+
+    def __init__(self, recast: Callable[[int], Tensor], groups: list[int]) -> None:
+        self._recast = recast
+        self._indices = groups
+        self._groups: dict[int, _GroupLeaves] = {}
+        #: What each forward being run swapped: the registered module's, then an owner's, innermost last.
+        self._stack: list[list[_Swap]] = []
+        self._storage_ref: weakref.ref[Coordinator] | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def begin(self, storage: Coordinator, tx: Transaction) -> None:
+        """Per-tensor mode began: note the leaves, give them the master class, hook their modules."""
+        self._storage_ref = weakref.ref(storage)
+        modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
+        groups = storage.groups()
+        self._groups = {}
+        for g in self._indices:
+            self._groups[g] = self._note(storage, groups[g], modules, tx)
+        tx.on_undo(self._forget)
+
+    def _note(
+        self, storage: Coordinator, group: Group, modules: dict[str, nn.Module], tx: Transaction
+    ) -> _GroupLeaves:
+        targets: list[tuple[nn.Module, str, int, Tensor]] = []
+        by_owner: dict[int, list[int]] = {}
+        leaves: dict[int, Tensor] = {}
+        for slot in group.members:
+            names = [n for n in slot.all_names if _owner(modules, n, storage) is not None]
+            leaf = slot.param
+            leaves[slot.index] = leaf
+            tx.set_attr(leaf, "__class__", master_class(type(leaf)))
+            WATCHED[id(leaf)] = WATCHED.get(id(leaf), 0) + 1
+            tx.on_undo(_unwatching(id(leaf)))
+            for position, name in enumerate(names):
+                owner = modules[name.rpartition(".")[0]]
+                targets.append((owner, name.rpartition(".")[2], slot.index, leaf))
+                if position == 0:
+                    by_owner.setdefault(id(owner), []).append(slot.index)
+                if owner not in _OWNER_OF:
+                    _unhook_owner(owner, tx)  # a deep copy's hooks, copied with its dicts
+                    owner.register_forward_pre_hook(_owner_before)
+                    owner.register_forward_hook(_owner_after, always_call=True)
+                    _OWNER_OF[owner] = weakref.ref(self)
+                    tx.on_undo(_forgetting(owner))
+        return _GroupLeaves(targets, leaves, by_owner)
+
+    def end(self, tx: Transaction | None) -> None:
+        """Per-tensor mode ends: every leaf back in place, its own class again, the modules unhooked."""
+        tx = tx if tx is not None else Transaction()
+        while self._stack:
+            _put_back(self._stack.pop())
+        groups, self._groups = self._groups, {}
+        tx.on_undo(lambda: setattr(self, "_groups", groups))
+        for record in groups.values():
+            for leaf in record.leaves.values():
+                if type(leaf) is not base_class(type(leaf)):
+                    tx.set_attr(leaf, "__class__", base_class(type(leaf)))
+                _unwatch(id(leaf))
+            for owner, _, _, _ in record.targets:
+                if _OWNER_OF.get(owner) is not None:
+                    _unhook_owner(owner, tx)
+
+    def _forget(self) -> None:
+        for record in self._groups.values():
+            for leaf in record.leaves.values():
+                _unwatch(id(leaf))
+        self._groups = {}
+
+    def rebacked(self) -> None:
+        """The buffers were replaced or written unseen: cast every group again at its next forward."""
+        for record in self._groups.values():
+            record.versions = ()
+
+    # --------------------------------------------------------------- forward
+    def before_forward(self) -> None:
+        """The registered module's forward begins: every leaf's compute view in its place."""
+        self._stack.append(self._swap(None))
+
+    def after_forward(self) -> None:
+        """The registered module's forward ended (or raised): every leaf back."""
+        if self._stack:
+            _put_back(self._stack.pop())
+
+    def swap_owner(self, owner: nn.Module) -> None:
+        """A module that owns leaves is called: its leaves' compute views in their places (if not yet)."""
+        self._stack.append(self._swap(owner))
+
+    def _swap(self, owner: nn.Module | None) -> list[_Swap]:
+        done: list[_Swap] = []
+        compiling = _is_compiling()
+        for g, record in self._groups.items():
+            if owner is not None and not any(t[0] is owner for t in record.targets):
+                continue
+            views = None if compiling else self._views(g, record)
+            for module, attr, index, leaf in record.targets:
+                if (owner is not None and module is not owner) or module._parameters.get(attr) is not leaf:
+                    continue  # another module's, swapped already, or replaced by outside code
+                view = self._traced(g, leaf) if views is None else views[index]
+                module._parameters[attr] = view  # type: ignore[assignment]  # a non-leaf, as FSDP2
+                done.append((module, attr, leaf, view))
+        return done
+
+    def _traced(self, g: int, leaf: Tensor) -> Tensor:
+        storage = self._storage_ref() if self._storage_ref is not None else None
+        dtype = storage.groups()[g].views.cast if storage is not None else None
+        return leaf if dtype is None else leaf.to(dtype)
+
+    def _views(self, g: int, record: _GroupLeaves) -> list[Tensor] | dict[int, Tensor]:
+        """Return group ``g``'s compute views by slot index, cast first if a leaf changed since then."""
+        storage = self._storage_ref() if self._storage_ref is not None else None
+        if storage is None:
+            return {}
+        group = storage.groups()[g]
+        flat = group.flat
+        leaves = record.leaves
+        versions = (flat._version, *(leaf._version for leaf in leaves.values()))
+        dirty = bool(DIRTY) and any(id(leaf) in DIRTY for leaf in leaves.values())
+        if versions != record.versions or dirty or record.copy is None:
+            for leaf in leaves.values():
+                DIRTY.discard(id(leaf))
+            with torch.inference_mode(False):
+                tensor = self._recast(g)
+            record.versions = (flat._version, *(leaf._version for leaf in leaves.values()))
+            if tensor is not record.copy:
+                record.copy = tensor
+                record.plain = group.views.split(tensor)
+                record.graph = {}
+        if not (torch.is_grad_enabled() and flat.requires_grad) or torch.is_inference_mode_enabled():
+            return record.plain
+        if not record.graph:
+            with torch.inference_mode(False):
+                for indices in record.by_owner.values():
+                    outputs = _LeafCast.apply(
+                        tuple(record.plain[i] for i in indices), *(leaves[i] for i in indices)
+                    )
+                    record.graph.update(zip(indices, outputs))
+        return record.graph
+
+
+def _owner(modules: dict[str, nn.Module], name: str, storage: Coordinator) -> nn.Module | None:
+    """Return the module that holds flattened ``name`` now, if the storage still serves it there."""
+    path, _, attr = name.rpartition(".")
+    module = modules.get(path)
+    state = None if module is None else storage.state_of(module)
+    return module if state is not None and attr in state.slots else None
+
+
+def _is_compiling() -> bool:
+    return bool(torch.compiler.is_compiling()) or bool(torch._C._is_tracing())
+
+
+def _put_back(done: list[_Swap]) -> None:
+    for module, attr, leaf, view in reversed(done):
+        if module._parameters.get(attr) is view:  # outside code put something else there: it stays
+            module._parameters[attr] = leaf  # type: ignore[assignment]
+
+
+def _forgetting(owner: nn.Module) -> Callable[[], None]:
+    def forget() -> None:
+        _OWNER_OF.pop(owner, None)
+
+    return forget
+
+
+def _unwatching(key: int) -> Callable[[], None]:
+    return lambda: _unwatch(key)
+
+
+def _unwatch(key: int) -> None:
+    count = WATCHED.get(key, 0) - 1
+    if count > 0:
+        WATCHED[key] = count
+    else:
+        WATCHED.pop(key, None)
+        DIRTY.discard(key)
+
+
+def _unhook_owner(owner: nn.Module, tx: Transaction) -> None:
+    for hooks in (owner._forward_pre_hooks, owner._forward_hooks):
+        tx.keep_dict(hooks)
+    tx.keep_dict(owner._forward_hooks_always_called)
+    for hooks in (owner._forward_pre_hooks, owner._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if hook is _owner_before or hook is _owner_after:
+                del hooks[key]
+                owner._forward_hooks_always_called.pop(key, None)
+    ref = _OWNER_OF.pop(owner, None)
+    if ref is not None:
+        tx.on_undo(lambda: _OWNER_OF.__setitem__(owner, ref))
+
+
+def _owner_before(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a module owning leaves: their compute views in place (see the module docstring)."""
+    if _is_compiling():  # a compiled forward: the registered module's hook put traced casts in place
+        return
+    ref = _OWNER_OF.get(module)
+    compute = None if ref is None else ref()
+    if compute is not None:
+        compute.swap_owner(module)
+
+
+def _owner_after(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a module owning leaves (called also when the forward raised): the leaves back."""
+    if _is_compiling():
+        return
+    ref = _OWNER_OF.get(module)
+    compute = None if ref is None else ref()
+    if compute is not None:
+        compute.after_forward()

@@ -1,0 +1,242 @@
+"""Per-tensor mode's write paths: what outside code changed on the plain modules reaches the flat buffers.
+
+In unflattened mode the modules are plain (their original classes): outside
+code writes to them as to the plain model, and nothing intercepts it:
+``layer.weight = nn.Parameter(t)`` (nanoGPT's ``crop_block_size``),
+``layer._parameters[name] = p``, ``register_parameter``, ``layer.weight.data = t``,
+``module.to()`` of a submodule, ``del layer.weight``, a submodule replaced. The
+whole-buffer features (a clip over ``flat_params``, ``flat_state_dict``,
+``named_grads``, gradient sync, ``broadcast_params``, ``ShardedOptimizer``,
+checkpoints) would then miss the new parameter, or read values the model no
+longer has.
+
+:class:`LeafWatch` remembers, when per-tensor mode begins, each slot's names
+(owning module and attribute), its leaf and the leaf's data pointer, and each
+module edge on the way to them. :func:`settle` compares them at every sync
+point: an identity check per name and per module edge and a data pointer per
+leaf, no tensor op. Where anything differs, the groups are laid out again as
+the model now is (``relayout.relayout_flat``, all or nothing), and per-tensor
+mode begins again: the values written are in the flat buffers, a new parameter is
+its slot's leaf (its gradient, if any, in the flat gradient), optimizer state
+over ``flat_params`` follows its slots, and a tensor that cannot live in a flat
+buffer (another dtype, a quantized one) leaves the storage with a warning that
+names it. The leaf that was replaced is no longer the model's, as on the plain
+model.
+
+The sync points: every call on the ``FlatStorage`` that works on the buffers
+(``_storage.py``), the user's ``flatten()`` (:func:`flatten_relaid`, for what it
+cannot land itself), and the registered module's forward while a feature works on the flat buffers during
+training (gradient sync, a ``ShardedOptimizer``, mixed precision's compute
+copies: ``per_tensor.py``), so that no parameter that trains is skipped by
+gradient sync. A layout held by a feature (``_core/features.py``) cannot follow:
+that is refused with the holder named and the ways out.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._core.features import layout_holders, refuse_held_layout
+from .._core.fit import misfit
+from .._core.names import dtype_name, registered_storage
+from .._core.records import Coordinator
+from . import surgery
+
+__all__ = ["LeafWatch", "flatten_relaid", "settle", "use_relayout"]
+
+#: ``relayout.relayout_flat``, handed down by ``injected.assemble`` (relayout.py imports the
+#: coordinator, which imports this module).
+_RELAYOUT: list[Callable[[Any, str], None]] = []
+
+
+def use_relayout(relayout_flat: Callable[[Any, str], None]) -> None:
+    """Lay groups out again with ``relayout_flat(core, what)`` from now on (``injected.assemble``)."""
+    _RELAYOUT[:] = [relayout_flat]
+
+
+@dataclass(frozen=True)
+class _Name:
+    """One name of a slot: where it lives, the leaf it must hold, and the leaf's data pointer then."""
+
+    qualified: str
+    owner: weakref.ref[nn.Module]
+    attr: str
+    leaf: Tensor
+    ptr: int
+    dtype: torch.dtype
+    tied: bool  # the slot has other names
+
+
+#: What :meth:`LeafWatch.changed` found: ``flatten()`` lands these itself (values copied into the slot;
+#: module swaps and misfits laid out again by ``rehost.py``), but not the others.
+LANDS, REHOSTS, RELAYS = "lands", "rehosts", "relays"
+
+
+class LeafWatch:
+    """What per-tensor mode's modules held when it began (or after the buffers were re-backed).
+
+    Args:
+        storage: the coordinator, in unflattened mode.
+    """
+
+    __slots__ = ("_edges", "_names")
+
+    def __init__(self, storage: Coordinator) -> None:
+        modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
+        self._names: list[_Name] = []
+        edges: dict[tuple[int, str], tuple[str, weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
+        for slot in storage.slots():
+            names = surgery.live_names(storage, slot, modules)
+            for qualified in names:
+                owner, attr = surgery.locate(modules, qualified)
+                self._names.append(
+                    _Name(
+                        qualified,
+                        weakref.ref(owner),
+                        attr,
+                        slot.param,
+                        _ptr(slot.param),
+                        slot.param.dtype,
+                        len(names) > 1,
+                    )
+                )
+                parts = qualified.split(".")[:-1]
+                for depth in range(len(parts)):
+                    parent_path, path = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+                    parent = modules[parent_path]
+                    key = (id(parent), parts[depth])
+                    edges[key] = (path, weakref.ref(parent), weakref.ref(modules[path]))
+        self._edges = list(edges.items())
+
+    def changed(self) -> tuple[str, str] | None:
+        """Return what outside code changed since, as ``(kind, sentence naming it)``, or ``None``.
+
+        The kind is :data:`RELAYS` when only laying the groups out again can
+        take it (another shape, a name set to ``None`` or deleted, a tie
+        broken), :data:`REHOSTS` for a submodule replaced or a tensor that cannot
+        live in a flat buffer, :data:`LANDS` for values that fit the slot.
+        """
+        found: tuple[str, str] | None = None
+        for (_, key), (path, parent_ref, child_ref) in self._edges:
+            parent, child = parent_ref(), child_ref()
+            if parent is None or child is None or parent._modules.get(key) is not child:
+                found = (REHOSTS, f"submodule {path} was replaced or deleted")
+                break
+        for name in self._names:
+            owner = name.owner()
+            if owner is None:
+                continue  # its module is gone: an edge above says so
+            current = owner._parameters.get(name.attr, _MISSING)
+            change = _change(name, current)
+            if change is not None and (found is None or change[0] == RELAYS):
+                found = change
+                if found[0] == RELAYS:
+                    break
+        return found
+
+
+def _change(name: _Name, current: Any) -> tuple[str, str] | None:
+    """Return what happened to ``name``, which holds ``current`` now (see :meth:`LeafWatch.changed`)."""
+    if current is name.leaf:
+        if current.dtype != name.dtype:
+            return REHOSTS, f"{name.qualified} was converted to {dtype_name(current.dtype)}"
+        return (
+            None
+            if _ptr(current) == name.ptr
+            else (LANDS, f"{name.qualified} was given other memory (`.data = t`)")
+        )
+    if current is _MISSING or current is None:
+        return RELAYS, f"{name.qualified} was deleted or set to None"
+    if not isinstance(current, Tensor):
+        return RELAYS, f"{name.qualified} was replaced by a {type(current).__name__}"
+    if current.shape != name.leaf.shape:
+        return RELAYS, (
+            f"{name.qualified} was replaced by a parameter of shape {tuple(current.shape)} (its slot holds "
+            f"{tuple(name.leaf.shape)})"
+        )
+    if misfit(current, name.leaf) is not None:
+        return REHOSTS, f"{name.qualified} was replaced by {misfit(current, name.leaf)}"
+    if name.tied:
+        return RELAYS, f"{name.qualified}, one name of a tied parameter, was given a parameter of its own"
+    return LANDS, f"{name.qualified} was replaced by another parameter"
+
+
+_MISSING: Any = object()
+
+
+def _ptr(tensor: Tensor) -> int:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:  # tensors without storage (functorch wrappers)
+        return -1
+
+
+def settle(core: Any, what: str | None = None) -> Any:
+    """Lay out ``core``'s groups again if outside code changed the modules in per-tensor mode; return it.
+
+    Args:
+        core: the storage core.
+        what: the operation that asks (for messages; ``None``: what changed, said in the message).
+
+    Returns the core in use afterwards (a new one when the groups were laid
+    out again, ``core`` otherwise). A no-op in flat mode, for a detached core,
+    and while the groups are being laid out already.
+
+    Raises:
+        RuntimeError: if a feature holds the layout (nothing is changed: the
+            model keeps what was written, the storage its old layout).
+    """
+    watch = core.per_tensor.watch
+    if watch is None or core.is_flattened or core.per_tensor.settling or not core.is_attached:
+        return core
+    found = watch.changed()
+    if found is None or (what == "flatten()" and found[0] != RELAYS):  # flatten() lands the rest itself
+        return core
+    change = found[1]
+    holders = layout_holders(core)
+    if holders and what is not None:
+        refuse_held_layout(core, what)
+    if holders:
+        raise RuntimeError(
+            f"outside code changed the model in per-tensor mode ({change}), but "
+            f"{', '.join(sorted(holders))} hold(s) the flat "
+            "storage's layout, so the flat buffers cannot take the change and whole-buffer features "
+            "would miss it. Release it first "
+            f"({'; '.join(fix for _, fix in sorted(holders.items()))}): the next call on the storage "
+            "lays the groups out again; or undo the change on the model"
+        )
+    core.per_tensor.settling = True
+    try:
+        _RELAYOUT[0](core, what or f"per-tensor mode ({change})")
+    finally:
+        core.per_tensor.settling = False
+    new = core.current()
+    if registered_storage(core.module_unchecked) is not new:
+        return core  # every weight left: the storage was removed
+    if what != "flatten()":
+        new.unflatten()
+    return new
+
+
+def flatten_relaid(core: Any) -> bool:
+    """A step of the user's ``flatten()``: what only laying out again takes (another shape) is laid out first.
+
+    Returns whether the flatten is done (by the core laid out again, or the
+    storage was removed because every weight left it).
+
+    Raises:
+        RuntimeError: for a detached storage, or as :func:`settle`.
+    """
+    _ = core.module  # raises for a detached storage
+    new = settle(core, "flatten()")
+    if new is core and core.is_attached:
+        return False
+    if new.is_attached:
+        new.flatten(relayout=True)
+    return True

@@ -1,0 +1,219 @@
+"""Per-tensor mode's write paths: what outside code puts on plain modules reaches every whole-buffer feature.
+
+In per-tensor mode the modules are plain, so outside code writes to them as to the plain model. Each test
+runs the write on the flattened model and on a plain twin from the same seed, then checks that the
+whole-buffer features (a clip over ``flat_params``, ``flat_state_dict``, ``named_grads``, grad sync, an
+optimizer over ``flat_params``) see the model as it is now, as the plain model's own tools see the twin.
+
+nanoGPT's ``GPT.crop_block_size`` (karpathy/nanoGPT, model.py) is not a package; its two lines that touch
+parameters are copied in :func:`crop_block_size`, as the issue that asked for this allows.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from flatten_parametrize import get_flat_storage, register_flat_storage
+
+from _helpers import twin
+
+
+class _GPTish(nn.Module):
+    """Token and position embeddings, one block, a tied head: nanoGPT's parameters in miniature."""
+
+    def __init__(self, block_size: int = 16, vocab: int = 11, dim: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(block_size, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1])
+        return self.head(torch.tanh(self.fc(self.wte(tokens) + self.wpe(pos))))
+
+
+def crop_block_size(model: _GPTish, block_size: int) -> None:
+    """nanoGPT's ``GPT.crop_block_size``: the position embedding replaced by a cropped ``nn.Parameter``."""
+    model.block_size = block_size
+    model.wpe.weight = nn.Parameter(model.wpe.weight[:block_size])
+
+
+def _tokens(seed: int = 3, length: int = 8) -> torch.Tensor:
+    return torch.randint(0, 11, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).pow(2).mean()
+
+
+def _pair() -> tuple[_GPTish, _GPTish, object]:
+    plain = _GPTish()
+    model = twin(plain)
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    return plain, model, storage
+
+
+def test_crop_block_size_in_per_tensor_mode_reaches_every_whole_buffer_feature():
+    """A cropped wpe: clip over flat_params, flat_state_dict, named_grads and AdamW(flat_params) as plain."""
+    plain, model, storage = _pair()
+    for m in (plain, model):
+        crop_block_size(m, 8)
+    for m in (plain, model):
+        _loss(m, _tokens()).backward()
+    norm = torch.nn.utils.clip_grad_norm_(storage.flat_params, 0.5)
+    plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    assert torch.allclose(norm, plain_norm, rtol=1e-6, atol=0)
+    assert sum(f.numel() for f in storage.flat_params) == sum(p.numel() for p in plain.parameters())
+    grads = dict(storage.named_grads())
+    assert grads["wpe.weight"].shape == (8, 4)
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-6, atol=1e-7)
+        assert model.get_parameter(name).grad.data_ptr() == grads[name].data_ptr()  # one memory
+    assert storage.flat_state_dict()["flat_param_0"].numel() == sum(p.numel() for p in plain.parameters())
+    assert model.wpe.weight.data_ptr() == dict(storage.named_views())["wpe.weight"].data_ptr()
+
+
+def test_crop_block_size_then_training_over_flat_params_matches_the_plain_model():
+    """AdamW over flat_params built before the crop: its state follows the slots; training as plain."""
+    plain, model, storage = _pair()
+    opt = torch.optim.AdamW(storage.flat_params, lr=1e-2)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(4):
+        if step == 2:
+            for m in (plain, model):
+                crop_block_size(m, 8)
+            ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)  # the plain recipe: a new optimizer
+            opt = torch.optim.AdamW(storage.flat_params, lr=1e-2)
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            _loss(m, _tokens(step, 8 if step >= 2 else 16)).backward()
+            o.step()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "write",
+    ["setattr", "register_parameter", "_parameters", "data", "submodule", "to_double", "none"],
+)
+def test_every_write_path_lands_in_the_storage_or_lays_it_out_again(write):
+    """Whatever the write, the next call on the storage sees the plain model's parameters and values."""
+    plain, model, storage = _pair()
+    for m in (plain, model):
+        new = torch.full((4, 4), 0.5)
+        if write == "setattr":
+            m.fc.weight = nn.Parameter(new)
+        elif write == "register_parameter":
+            m.fc.register_parameter("weight", nn.Parameter(new))
+        elif write == "_parameters":
+            m.fc._parameters["weight"] = nn.Parameter(new)
+        elif write == "data":
+            m.fc.weight.data = new
+        elif write == "submodule":
+            torch.manual_seed(9)
+            m.fc = nn.Linear(4, 4)
+        elif write == "to_double":
+            m.fc.to(torch.float64)
+        elif write == "none":
+            m.fc.bias = None
+    plain_names = {n for n, _ in plain.named_parameters()}
+    if write == "to_double":  # cannot live in a float32 buffer: it leaves the storage, said once
+        with pytest.warns(UserWarning, match=r"fc\.weight \(a tensor of float64, not float32\)"):
+            views = dict(storage.named_views())
+        assert set(views) == plain_names - {"fc.weight", "fc.bias"}
+    elif write == "submodule":  # a new module's parameters stay ordinary (SPEC "Structure changes")
+        views = dict(storage.named_views())
+        assert set(views) == plain_names - {"fc.weight", "fc.bias"}
+        assert sum(f.numel() for f in storage.flat_params) == sum(v.numel() for v in views.values())
+    else:
+        views = dict(storage.named_views())
+        assert set(views) == plain_names
+        for name, view in views.items():
+            assert torch.equal(view, plain.get_parameter(name)), name
+            assert model.get_parameter(name).data_ptr() == view.data_ptr(), name  # the leaf is the slot
+    if write == "to_double":  # neither model computes with a float64 fc and float32 inputs
+        return
+    _loss(model, _tokens()).backward()
+    _loss(plain, _tokens()).backward()
+    for name, grad in storage.named_grads():
+        torch.testing.assert_close(grad, plain.get_parameter(name).grad, rtol=1e-6, atol=1e-7)
+    storage.flatten()
+    torch.testing.assert_close(model(_tokens()), plain(_tokens()), rtol=0, atol=0)
+
+
+def test_a_leaf_replaced_by_a_parameter_of_its_shape_becomes_the_slots_leaf():
+    """The new parameter object is the model's (as on the plain model), aliasing its slot of the buffer."""
+    _, model, storage = _pair()
+    new = nn.Parameter(torch.ones(4, 4))
+    model.fc.weight = new
+    flat = storage.flat_params[0]
+    assert model.fc.weight is new and new.data_ptr() == dict(storage.named_views())["fc.weight"].data_ptr()
+    with torch.no_grad():
+        new.mul_(3)
+    assert torch.equal(dict(storage.views_of(storage.flat_params))["fc.weight"], torch.full((4, 4), 3.0))
+    assert flat is storage.flat_params[0]  # the flat parameter object stays
+
+
+def test_a_gradient_present_before_the_replacement_is_kept():
+    """A replacement between backward and step: the new parameter's own gradient lands, the old one goes."""
+    plain, model, storage = _pair()
+    for m in (plain, model):
+        _loss(m, _tokens()).backward()
+        crop_block_size(m, 8)
+        m.wpe.weight.grad = torch.ones(8, 4)
+    grads = dict(storage.named_grads())
+    assert torch.equal(grads["wpe.weight"], torch.ones(8, 4))
+    assert torch.equal(grads["fc.weight"], plain.fc.weight.grad)
+
+
+@pytest.mark.usefixtures("world1")
+def test_grad_sync_reduces_a_parameter_replaced_before_the_forward():
+    """With grad sync on, the forward lays the groups out again first: the cropped wpe is reduced too."""
+    plain, model, storage = _pair()
+    storage.enable_grad_sync()
+    reduced: list[int] = []
+    flat = storage.flat_params[0]
+    flat.register_post_accumulate_grad_hook(lambda p: reduced.append(p.grad.numel()))
+    for m in (plain, model):
+        crop_block_size(m, 8)
+    _loss(model, _tokens()).backward()
+    total = sum(p.numel() for p in plain.parameters())
+    assert reduced == [total] and storage.flat_params[0].numel() == total
+
+
+def test_a_held_layout_refuses_the_change_with_the_holder_and_the_model_keeps_it(tmp_path: Path):
+    """Offloaded to disk (a layout holder): a whole-buffer call raises naming it; loaded back, it lands."""
+    plain, model, storage = _pair()
+    storage.offload_to_disk(tmp_path)
+    for m in (plain, model):
+        crop_block_size(m, 8)
+    with pytest.raises(
+        RuntimeError,
+        match=r"changed the model in per-tensor mode \(wpe\.weight was replaced by a "
+        r"parameter of shape \(8, 4\) \(its slot holds \(16, 4\)\)\), but DiskOffload hold",
+    ):
+        storage.flat_params  # noqa: B018
+    assert model.wpe.weight.shape == (8, 4) and storage.is_offloaded
+    storage.load_to_memory()
+    assert dict(storage.named_views())["wpe.weight"].shape == (8, 4)
+
+
+def test_a_deep_copy_in_per_tensor_mode_aliases_its_own_flat_buffers():
+    """The copy's leaves are views of the copy's buffers: a step on a leaf is in the copy's flat_params."""
+    _, model, _ = _pair()
+    other = copy.deepcopy(model)
+    storage = get_flat_storage(other)
+    with torch.no_grad():
+        other.fc.weight.add_(1.0)
+    assert torch.equal(dict(storage.views_of(storage.flat_params))["fc.weight"], other.fc.weight)
+    assert not torch.equal(model.fc.weight, other.fc.weight)

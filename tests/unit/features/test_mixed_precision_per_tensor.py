@@ -1,0 +1,287 @@
+"""Mixed precision in per-tensor mode: float32 leaves are the masters, each forward computes in bf16.
+
+The reference needs no library (``_helpers.cast_per_forward``): a plain model whose float32 weights are
+cast to bf16 for each forward (``torch.func.functional_call``), whose bf16 gradients are accumulated into
+its float32 parameters. Per-tensor mode gives it bit for bit, however the mode is entered.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+
+from _helpers import cast_per_forward, twin
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+_aten = torch.ops.aten
+
+
+class _Block(nn.Module):
+    """Embedding, LayerNorm, a residual MLP and a tied head."""
+
+    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+        return self.head(h)
+
+
+class _ReadsAWeight(_Block):
+    """A head computed from the embedding's weight outside the embedding's forward (GPT-2's ``x @ wte.T``)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return (h + self.down(self.up(self.norm(h)))) @ self.embed.weight.T
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _batches(n: int, vocab: int = 13) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randint(0, vocab, (4, 5)) for _ in range(n)]
+
+
+def _per_tensor(plain: nn.Module, how: str = "unflatten") -> tuple[nn.Module, object]:
+    """A flattened twin of ``plain`` with a bf16 policy, put in per-tensor mode ``how``."""
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=BF16)
+    if how == "unflatten":
+        storage.unflatten()
+    elif how == "deepcopy":
+        storage.unflatten()
+        model = copy.deepcopy(model)
+        storage = get_flat_storage(model)
+    elif how == "pickle":
+        storage.unflatten()
+        model = pickle.loads(pickle.dumps(model))
+        storage = get_flat_storage(model)
+    return model, storage
+
+
+class _CountCasts(TorchDispatchMode):
+    """Counts float32 -> bfloat16 conversions of tensors of a flat parameter's or a weight's size."""
+
+    def __init__(self, sizes: set[int]) -> None:
+        super().__init__()
+        self.sizes = sizes
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is _aten._to_copy.default:
+            src, dst = args[0].dtype, kwargs.get("dtype")
+        elif func is _aten.copy_.default:
+            src, dst = args[1].dtype, args[0].dtype
+        else:
+            return out
+        if src == torch.float32 and dst == torch.bfloat16 and args[0].numel() in self.sizes:
+            self.casts += 1
+        return out
+
+
+# ------------------------------------------------------------------------------ semantics
+
+
+@pytest.mark.parametrize("how", ["unflatten", "deepcopy", "pickle"])
+@pytest.mark.parametrize("arch", [_Block, _ReadsAWeight])
+@pytest.mark.parametrize("fused", [False, True])
+def test_training_in_per_tensor_mode_matches_the_cast_per_forward_reference_bit_for_bit(how, arch, fused):
+    """Outputs, every leaf's gradient, the flat gradient and the stepped masters equal the reference's."""
+    plain = arch()
+    model, storage = _per_tensor(plain, how)
+    reference = cast_per_forward(plain)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    ref_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=fused)
+    for batch in _batches(3):
+        assert model.up.weight.dtype == torch.float32 and type(model.up) is nn.Linear
+        out, expected = model(batch), reference(batch)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+        _loss(out).backward()
+        _loss(expected).backward()
+        for name, param in model.named_parameters():
+            assert param.grad.dtype == torch.float32
+            assert torch.equal(param.grad, plain.get_parameter(name).grad), name
+        for name, grad in storage.named_grads():  # the leaves' gradients are the flat gradient's slots
+            assert torch.equal(grad, plain.get_parameter(name).grad), name
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[name]), name
+
+
+def test_a_forward_in_per_tensor_mode_casts_once_per_group_after_a_change_and_never_when_clean():
+    """No cast per forward while the leaves are unchanged; one per group after a step, any micro-batches."""
+    model = _Block()
+    storage = register_flat_storage(model, {"w": ["*.weight"], "b": ["*.bias"]}, mixed_precision=BF16)
+    storage.unflatten()
+    sizes = {f.numel() for f in storage.flat_params} | {i.numel for i in storage.param_infos}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = _batches(4)
+    _loss(model(batches[0])).backward()
+    with _CountCasts(sizes) as counter:
+        for batch in batches:
+            _loss(model(batch)).backward()
+        with torch.no_grad():
+            model(batches[0])
+        with torch.inference_mode():
+            model(batches[0])
+    assert counter.casts == 0
+    for _ in range(2):
+        with _CountCasts(sizes) as counter:
+            opt.step()
+            opt.zero_grad()
+            for batch in batches:
+                _loss(model(batch)).backward()
+        assert counter.casts == 2
+
+
+@pytest.mark.parametrize("write", ["in_place", "data", "fused_step", "init", "ema_swap", "load_state_dict"])
+def test_every_write_to_a_leaf_reaches_the_next_forward(write):
+    """In-place, ``.data`` (EMA, hand-written steps), init, fused steps, loads: the next forward casts."""
+    plain = _Block()
+    model, _ = _per_tensor(plain)
+    batch = _batches(1)[0]
+    model(batch)  # a compute copy cast before the write
+    for m in (model, plain):
+        torch.manual_seed(5)
+        if write == "in_place":
+            with torch.no_grad():
+                m.up.weight.mul_(3)
+        elif write == "data":
+            m.up.weight.data.mul_(3)
+        elif write == "fused_step":
+            m.up.weight.grad = torch.ones_like(m.up.weight)
+            torch.optim.AdamW([m.up.weight], lr=0.5, fused=True).step()
+        elif write == "init":
+            nn.init.normal_(m.down.weight)
+        elif write == "ema_swap":  # timm's ModelEmaV3 and torch's AveragedModel copy through .data/detach()
+            for p in m.parameters():
+                p.data.copy_(p.data * 0.5)
+        elif write == "load_state_dict":
+            m.load_state_dict({k: v + 1 for k, v in m.state_dict().items()})
+    assert torch.equal(model(batch), cast_per_forward(plain)(batch))
+
+
+def test_per_tensor_views_from_a_direct_call_and_activation_checkpointing():
+    """A submodule called alone computes in bf16; checkpointing recomputes it so: the same gradients."""
+    plain = _Block()
+    model, storage = _per_tensor(plain)
+    batch = _batches(1)[0]
+    assert model.embed(batch).dtype == torch.bfloat16
+    assert model.up.weight.dtype == torch.float32  # back after the call
+    for use_reentrant in (False, True):
+        h = model.embed(batch)
+        _loss(
+            model.head(
+                checkpoint(lambda t: t + model.down(model.up(model.norm(t))), h, use_reentrant=use_reentrant)
+            )
+        ).backward()
+        ckpt = storage.flat_params[0].grad.clone()
+        model.zero_grad()
+        h = model.embed(batch)
+        _loss(model.head(h + model.down(model.up(model.norm(h))))).backward()
+        assert torch.equal(storage.flat_params[0].grad, ckpt)
+        model.zero_grad()
+
+
+def test_a_forward_that_raises_puts_the_leaves_back():
+    """An exception inside the forward: every module holds its float32 leaf again, nothing half-swapped."""
+    model, _ = _per_tensor(_Block())
+    leaves = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(IndexError):
+        model(torch.tensor([[99]]))
+    assert {n: p for n, p in model.named_parameters()} == leaves
+    assert all(p.dtype == torch.float32 and p.is_leaf for p in model.parameters())
+
+
+def test_compile_in_per_tensor_mode_is_one_graph_with_eager_results():
+    """torch.compile of the per-tensor model: one graph, no break; outputs and gradients equal eager."""
+    torch._dynamo.reset()
+    for make in (
+        _Block,
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4)),
+    ):
+        torch.manual_seed(0)
+        eager_model = make()
+        eager, _ = _per_tensor(eager_model)
+        model, _ = _per_tensor(eager_model)
+        x = _batches(1)[0] if isinstance(eager_model, _Block) else torch.randn(5, 8)
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0
+        compiled = torch.compile(model, backend="aot_eager")
+        out, expected = compiled(x), eager(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+        _loss(out).backward()
+        _loss(expected).backward()
+        for a, b in zip(model.parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        torch.optim.SGD(eager.parameters(), lr=0.1).step()
+        assert torch.equal(compiled(x), eager(x))
+        torch._dynamo.reset()
+
+
+def test_modes_switch_with_the_policy_kept_and_removal_leaves_plain_float32_parameters():
+    """flatten()/unflatten() in the middle of training: one run; the leaves regain torch's own class."""
+    plain = _Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for step, batch in enumerate(_batches(4)):
+        if step == 2:
+            storage.flatten()
+        if step == 3:
+            storage.unflatten()
+        out = model(batch)
+        assert torch.equal(out, reference(batch))
+        _loss(out).backward()
+        _loss(reference(batch)).backward()
+        if step != 2:  # in flat mode an optimizer of the leaves refuses to step (it would step nothing)
+            opt.step()
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        model.zero_grad()
+    remove_flat_storage(model)
+    assert {type(p) for p in model.parameters()} == {nn.Parameter}
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert model(_batches(1)[0]).dtype == torch.float32
+
+
+def test_torch_save_of_a_per_tensor_model_keeps_the_policy_and_the_mode():
+    """torch.save / load: per-tensor mode again, leaves float32 masters, forward bf16 as before."""
+    model, _ = _per_tensor(_Block())
+    batch = _batches(1)[0]
+    expected = model(batch)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    storage = get_flat_storage(loaded)
+    assert not storage.is_flattened and storage.mixed_precision == {"0": BF16}
+    assert loaded.up.weight.dtype == torch.float32 and torch.equal(loaded(batch), expected)
