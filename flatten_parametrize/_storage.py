@@ -72,12 +72,12 @@ class FlatStorage:
         # In per-tensor mode outside code writes to plain modules: each call that works on the buffers
         # lands what it changed first (``_install/leaf_writes.py``), which may lay the groups out again
         # (a new core). Inspection (module, group names, param_infos, repr) reads ``_held``.
+        # A removed storage (detached) raises here: its buffers are gone (``release_buffers``).
         core = self._held
-        return core if core.is_flattened else settle(core)
-
-    @_core.setter
-    def _core(self, core: StorageCore) -> None:
-        self._held = core
+        if core.is_flattened:
+            return core
+        _ = core.module  # raises for a detached storage
+        return settle(core)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
@@ -847,6 +847,6 @@ def facade_of(core: StorageCore) -> FlatStorage:
     facade = core.facade
     if facade is None:
         facade = object.__new__(FlatStorage)
-        facade._core = core
+        facade._held = core
         core.facade = facade
     return facade

@@ -192,6 +192,11 @@ class GroupGrad:
         """Drop the flat gradient of ``flat`` (ZeRO-2 keeps this rank's slice only; ``del flat.grad``)."""
         self.assign(flat, None)
 
+    def forget_memory(self) -> None:
+        """Drop the gradient memory kept for reuse (the storage was removed)."""
+        with self._lock:
+            del self._kept[:], self._targets[:]
+
     def dense(self, flat: Tensor) -> Tensor:
         """Return the flat gradient as a dense contiguous tensor, assigning zeros first if there is none."""
         grad = self.read(flat)

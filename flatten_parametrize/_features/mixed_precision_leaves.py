@@ -87,6 +87,8 @@ class _GroupLeaves:
     leaves: dict[int, Tensor]
     #: The module of each slot's first name -> the slots whose node it makes.
     by_owner: dict[int, list[int]]
+    #: Each module (by ``id``) -> its entries of :attr:`targets`.
+    by_module: dict[int, list[tuple[nn.Module, str, int, Tensor]]]
     #: ``(flat._version, *leaf._version)`` at the last cast (empty: cast at the next forward).
     versions: tuple[int, ...] = ()
     #: The compute copy the views were split from.
@@ -110,6 +112,8 @@ class LeafCompute:
         self._groups: dict[int, _GroupLeaves] = {}
         #: What each forward being run swapped: the registered module's, then an owner's, innermost last.
         self._stack: list[list[_Swap]] = []
+        #: Forwards of the registered module running: every leaf is swapped, an owner's call needs nothing.
+        self._root_depth = 0
         self._storage_ref: weakref.ref[Coordinator] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -118,10 +122,8 @@ class LeafCompute:
         self._storage_ref = weakref.ref(storage)
         modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
         groups = storage.groups()
-        self._groups = {}
-        for g in self._indices:
-            self._groups[g] = self._note(storage, groups[g], modules, tx)
-        tx.on_undo(self._forget)
+        tx.on_undo(self._forget)  # the leaves' classes, counts and hooks are undone one by one
+        self._groups = {g: self._note(storage, groups[g], modules, tx) for g in self._indices}
 
     def _note(
         self, storage: Coordinator, group: Group, modules: dict[str, nn.Module], tx: Transaction
@@ -147,13 +149,17 @@ class LeafCompute:
                     owner.register_forward_hook(_owner_after, always_call=True)
                     _OWNER_OF[owner] = weakref.ref(self)
                     tx.on_undo(_forgetting(owner))
-        return _GroupLeaves(targets, leaves, by_owner)
+        by_module: dict[int, list[tuple[nn.Module, str, int, Tensor]]] = {}
+        for target in targets:
+            by_module.setdefault(id(target[0]), []).append(target)
+        return _GroupLeaves(targets, leaves, by_owner, by_module)
 
     def end(self, tx: Transaction | None) -> None:
         """Per-tensor mode ends: every leaf back in place, its own class again, the modules unhooked."""
         tx = tx if tx is not None else Transaction()
         while self._stack:
             _put_back(self._stack.pop())
+        self._root_depth = 0
         groups, self._groups = self._groups, {}
         tx.on_undo(lambda: setattr(self, "_groups", groups))
         for record in groups.values():
@@ -166,9 +172,6 @@ class LeafCompute:
                     _unhook_owner(owner, tx)
 
     def _forget(self) -> None:
-        for record in self._groups.values():
-            for leaf in record.leaves.values():
-                _unwatch(id(leaf))
         self._groups = {}
 
     def rebacked(self) -> None:
@@ -180,27 +183,42 @@ class LeafCompute:
     def before_forward(self) -> None:
         """The registered module's forward begins: every leaf's compute view in its place."""
         self._stack.append(self._swap(None))
+        self._root_depth += 1
 
     def after_forward(self) -> None:
         """The registered module's forward ended (or raised): every leaf back."""
+        self._root_depth = max(self._root_depth - 1, 0)
         if self._stack:
             _put_back(self._stack.pop())
 
     def swap_owner(self, owner: nn.Module) -> None:
         """A module that owns leaves is called: its leaves' compute views in their places (if not yet)."""
-        self._stack.append(self._swap(owner))
+        if not self._root_depth:  # inside the registered module's forward every leaf is swapped already
+            self._stack.append(self._swap(owner))
+
+    def owner_done(self) -> None:
+        """A module that owns leaves returned (or raised): what its call swapped goes back."""
+        if not self._root_depth and self._stack:
+            _put_back(self._stack.pop())
 
     def _swap(self, owner: nn.Module | None) -> list[_Swap]:
         done: list[_Swap] = []
         compiling = _is_compiling()
+        traced: dict[int, Tensor] = {}  # compiling: one cast per leaf, also for a tied one
         for g, record in self._groups.items():
-            if owner is not None and not any(t[0] is owner for t in record.targets):
+            targets = record.targets if owner is None else record.by_module.get(id(owner))
+            if not targets:
                 continue
             views = None if compiling else self._views(g, record)
-            for module, attr, index, leaf in record.targets:
-                if (owner is not None and module is not owner) or module._parameters.get(attr) is not leaf:
-                    continue  # another module's, swapped already, or replaced by outside code
-                view = self._traced(g, leaf) if views is None else views[index]
+            for module, attr, index, leaf in targets:
+                if module._parameters.get(attr) is not leaf:
+                    continue  # swapped already, or replaced by outside code
+                if views is not None:
+                    view = views[index]
+                elif id(leaf) in traced:
+                    view = traced[id(leaf)]
+                else:
+                    view = traced[id(leaf)] = self._traced(g, leaf)
                 module._parameters[attr] = view  # type: ignore[assignment]  # a non-leaf, as FSDP2
                 done.append((module, attr, leaf, view))
         return done
@@ -250,8 +268,12 @@ def _owner(modules: dict[str, nn.Module], name: str, storage: Coordinator) -> nn
     return module if state is not None and attr in state.slots else None
 
 
+_compiling = torch.compiler.is_compiling
+_tracing = torch._C._is_tracing
+
+
 def _is_compiling() -> bool:
-    return bool(torch.compiler.is_compiling()) or bool(torch._C._is_tracing())
+    return bool(_compiling() or _tracing())
 
 
 def _put_back(done: list[_Swap]) -> None:
@@ -311,4 +333,4 @@ def _owner_after(module: nn.Module, args: Any, output: Any) -> None:
     ref = _OWNER_OF.get(module)
     compute = None if ref is None else ref()
     if compute is not None:
-        compute.after_forward()
+        compute.owner_done()

@@ -458,6 +458,19 @@ class StorageCore:
         """Drop every cached view (landing pending `.data` writes first)."""
         surgery.invalidate(self._groups)
 
+    def release_buffers(self) -> None:
+        """After removal: let go of the flat buffers, gradients and reused gradient memory.
+
+        The parameters own their values by then; a ``FlatStorage`` the user
+        still holds raises when used (detached), and keeps no second copy of
+        the weights alive. A flat parameter object an optimizer still holds is
+        empty (a storage laid out again refills the ones it reuses).
+        """
+        for group in self._groups:
+            group.grads.assign(group.flat, None)
+            group.grads.forget_memory()
+            group.flat.data = torch.empty(0, dtype=group.flat.dtype, device=group.flat.device)
+
     # ------------------------------------------------------------ write paths
     def sync_writes(self, *, forward: bool = False) -> None:
         """Land the writes made around the views since the last call, or refuse them; refresh the features.

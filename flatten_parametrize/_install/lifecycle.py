@@ -9,7 +9,7 @@ pickling registers again through :func:`install_storage` (``pickling.py``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -54,8 +54,10 @@ def build_storage(
         data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
         surgery.zero_padding(data, layout)
         with torch.no_grad():
-            for offset, numel, slot in zip(layout.offsets, layout.numels, spec.slots):
-                data.narrow(0, offset, numel).copy_(slot.param.detach().reshape(-1))
+            for offset, numel, shape, slot in zip(layout.offsets, layout.numels, layout.shapes, spec.slots):
+                piece = data.narrow(0, offset, numel)
+                piece.copy_(slot.param.detach().reshape(-1))
+                _point_at(slot.param, piece.view(shape), tx)
         names = [s.name for s in spec.slots]
         kept = reuse.get(spec.name)
         if kept is None:
@@ -81,6 +83,28 @@ def build_storage(
     core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
     install_storage(core, tx)
     return core
+
+
+def _point_at(param: nn.Parameter, slot: torch.Tensor, tx: Transaction) -> None:
+    """Point ``param`` at ``slot``, its values' new home, so that its old memory goes at once.
+
+    The flat buffer is filled while the originals are released one by one: the
+    peak is the weights plus the largest tensor, not twice the weights. Undone
+    with ``tx`` by giving ``param`` a copy of the slot (the same values, memory
+    of its own again), so the undo does not keep the old memory alive either.
+    """
+    if param.is_meta or not torch._has_compatible_shallow_copy_type(param, slot):
+        return  # meta-initialized models and tensor types that cannot share memory: install re-points them
+    param.data = slot
+    tx.on_undo(_own_copy(param))
+
+
+def _own_copy(param: nn.Parameter) -> Callable[[], None]:
+    def undo() -> None:
+        with torch.no_grad():
+            param.data = param.detach().clone()
+
+    return undo
 
 
 def install_storage(core: StorageCore, tx: Transaction | None = None) -> None:
@@ -117,3 +141,4 @@ def remove_storage(core: StorageCore) -> None:
     core.invalidate()
     for feature in list(core.features):
         feature.on_removed()  # delete the offload files (values are in RAM now), remove grad-sync hooks
+    core.release_buffers()  # the FlatStorage a user still holds keeps no copy of the weights

@@ -181,7 +181,7 @@ class _Plan:
             return
         new.no_sync_depth = self.core.no_sync_depth
         new.facade = self.facade
-        for obj, attr in ((self.core, "replaced_by"), (self.facade, "_core")):
+        for obj, attr in ((self.core, "replaced_by"), (self.facade, "_held")):
             if obj is None:
                 continue
             if tx is None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from flatten_parametrize import FlatStorage, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import assert_plain, assert_unchanged, bn_mlp, registered_bn_mlp, snapshot
+from _helpers import assert_plain, assert_unchanged, bn_mlp, core_of, registered_bn_mlp, snapshot
 
 # --------------------------------------- get_flat_storage / remove_flat_storage
 
@@ -93,8 +93,20 @@ def test_detached_storage_refuses_to_serve():
         _ = storage.module
     with pytest.raises(RuntimeError, match=r"this flat storage is detached"):
         list(storage.named_views())
+    with pytest.raises(RuntimeError, match=r"this flat storage is detached"):
+        storage.flat_params  # noqa: B018
     assert_unchanged(model, snap)
     assert_plain(model)
+
+
+def test_a_removed_storage_lets_go_of_its_buffers():
+    """The FlatStorage a user still holds after remove_flat_storage keeps no flat buffer or gradient."""
+    model, storage = registered_bn_mlp()
+    model(torch.randn(4, 3)).sum().backward()
+    flats = [g.flat for g in core_of(storage).groups()]
+    remove_flat_storage(model)
+    assert all(f.numel() == 0 and f.grad is None for f in flats)
+    assert all(p.numel() and p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_pickling_a_flat_storage_is_refused():

@@ -189,6 +189,8 @@ def test_grad_sync_reduces_a_parameter_replaced_before_the_forward():
     _loss(model, _tokens()).backward()
     total = sum(p.numel() for p in plain.parameters())
     assert reduced == [total] and storage.flat_params[0].numel() == total
+    storage.broadcast_params()  # the new layout: nothing refused
+    assert torch.equal(model.wpe.weight, plain.wpe.weight)
 
 
 def test_a_held_layout_refuses_the_change_with_the_holder_and_the_model_keeps_it(tmp_path: Path):
