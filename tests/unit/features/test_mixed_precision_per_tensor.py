@@ -13,9 +13,9 @@ import pickle
 
 import pytest
 import torch
+from _mixed_precision_cases import Block, CountCasts
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
@@ -23,29 +23,9 @@ from flatten_parametrize import get_flat_storage, register_flat_storage, remove_
 from _helpers import cast_per_forward, twin
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-_aten = torch.ops.aten
 
 
-class _Block(nn.Module):
-    """Embedding, LayerNorm, a residual MLP and a tied head."""
-
-    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        h = h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
-        return self.head(h)
-
-
-class _ReadsAWeight(_Block):
+class _ReadsAWeight(Block):
     """A head computed from the embedding's weight outside the embedding's forward (GPT-2's ``x @ wte.T``)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -79,33 +59,11 @@ def _per_tensor(plain: nn.Module, how: str = "unflatten") -> tuple[nn.Module, ob
     return model, storage
 
 
-class _CountCasts(TorchDispatchMode):
-    """Counts float32 -> bfloat16 conversions of tensors of a flat parameter's or a weight's size."""
-
-    def __init__(self, sizes: set[int]) -> None:
-        super().__init__()
-        self.sizes = sizes
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is _aten._to_copy.default:
-            src, dst = args[0].dtype, kwargs.get("dtype")
-        elif func is _aten.copy_.default:
-            src, dst = args[1].dtype, args[0].dtype
-        else:
-            return out
-        if src == torch.float32 and dst == torch.bfloat16 and args[0].numel() in self.sizes:
-            self.casts += 1
-        return out
-
-
 # ------------------------------------------------------------------------------ semantics
 
 
 @pytest.mark.parametrize("how", ["unflatten", "deepcopy", "pickle"])
-@pytest.mark.parametrize("arch", [_Block, _ReadsAWeight])
+@pytest.mark.parametrize("arch", [Block, _ReadsAWeight])
 @pytest.mark.parametrize("fused", [False, True])
 def test_training_in_per_tensor_mode_matches_the_cast_per_forward_reference_bit_for_bit(how, arch, fused):
     """Outputs, every leaf's gradient, the flat gradient and the stepped masters equal the reference's."""
@@ -135,14 +93,14 @@ def test_training_in_per_tensor_mode_matches_the_cast_per_forward_reference_bit_
 
 def test_a_forward_in_per_tensor_mode_casts_once_per_group_after_a_change_and_never_when_clean():
     """No cast per forward while the leaves are unchanged; one per group after a step, any micro-batches."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, {"w": ["*.weight"], "b": ["*.bias"]}, mixed_precision=BF16)
     storage.unflatten()
     sizes = {f.numel() for f in storage.flat_params} | {i.numel for i in storage.param_infos}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = _batches(4)
     _loss(model(batches[0])).backward()
-    with _CountCasts(sizes) as counter:
+    with CountCasts(sizes) as counter:
         for batch in batches:
             _loss(model(batch)).backward()
         with torch.no_grad():
@@ -151,7 +109,7 @@ def test_a_forward_in_per_tensor_mode_casts_once_per_group_after_a_change_and_ne
             model(batches[0])
     assert counter.casts == 0
     for _ in range(2):
-        with _CountCasts(sizes) as counter:
+        with CountCasts(sizes) as counter:
             opt.step()
             opt.zero_grad()
             for batch in batches:
@@ -162,7 +120,7 @@ def test_a_forward_in_per_tensor_mode_casts_once_per_group_after_a_change_and_ne
 @pytest.mark.parametrize("write", ["in_place", "data", "fused_step", "init", "ema_swap", "load_state_dict"])
 def test_every_write_to_a_leaf_reaches_the_next_forward(write):
     """In-place, ``.data`` (EMA, hand-written steps), init, fused steps, loads: the next forward casts."""
-    plain = _Block()
+    plain = Block()
     model, _ = _per_tensor(plain)
     batch = _batches(1)[0]
     model(batch)  # a compute copy cast before the write
@@ -188,7 +146,7 @@ def test_every_write_to_a_leaf_reaches_the_next_forward(write):
 
 def test_per_tensor_views_from_a_direct_call_and_activation_checkpointing():
     """A submodule called alone computes in bf16; checkpointing recomputes it so: the same gradients."""
-    plain = _Block()
+    plain = Block()
     model, storage = _per_tensor(plain)
     batch = _batches(1)[0]
     assert model.embed(batch).dtype == torch.bfloat16
@@ -210,7 +168,7 @@ def test_per_tensor_views_from_a_direct_call_and_activation_checkpointing():
 
 def test_a_forward_that_raises_puts_the_leaves_back():
     """An exception inside the forward: every module holds its float32 leaf again, nothing half-swapped."""
-    model, _ = _per_tensor(_Block())
+    model, _ = _per_tensor(Block())
     leaves = {n: p for n, p in model.named_parameters()}
     with pytest.raises(IndexError):
         model(torch.tensor([[99]]))
@@ -222,14 +180,14 @@ def test_compile_in_per_tensor_mode_is_one_graph_with_eager_results():
     """torch.compile of the per-tensor model: one graph, no break; outputs and gradients equal eager."""
     torch._dynamo.reset()
     for make in (
-        _Block,
+        Block,
         lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4)),
     ):
         torch.manual_seed(0)
         eager_model = make()
         eager, _ = _per_tensor(eager_model)
         model, _ = _per_tensor(eager_model)
-        x = _batches(1)[0] if isinstance(eager_model, _Block) else torch.randn(5, 8)
+        x = _batches(1)[0] if isinstance(eager_model, Block) else torch.randn(5, 8)
         explained = torch._dynamo.explain(model)(x)
         assert explained.graph_count == 1 and explained.graph_break_count == 0
         compiled = torch.compile(model, backend="aot_eager")
@@ -247,7 +205,7 @@ def test_compile_in_per_tensor_mode_is_one_graph_with_eager_results():
 
 def test_modes_switch_with_the_policy_kept_and_removal_leaves_plain_float32_parameters():
     """flatten()/unflatten() in the middle of training: one run; the leaves regain torch's own class."""
-    plain = _Block()
+    plain = Block()
     model, storage = _per_tensor(plain)
     reference = cast_per_forward(plain)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -275,7 +233,7 @@ def test_modes_switch_with_the_policy_kept_and_removal_leaves_plain_float32_para
 
 def test_torch_save_of_a_per_tensor_model_keeps_the_policy_and_the_mode():
     """torch.save / load: per-tensor mode again, leaves float32 masters, forward bf16 as before."""
-    model, _ = _per_tensor(_Block())
+    model, _ = _per_tensor(Block())
     batch = _batches(1)[0]
     expected = model(batch)
     buf = io.BytesIO()

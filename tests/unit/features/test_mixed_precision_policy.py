@@ -13,9 +13,9 @@ import pickle
 
 import pytest
 import torch
+from _mixed_precision_cases import Block, CountCasts, cast_sizes
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
@@ -23,26 +23,6 @@ from flatten_parametrize import get_flat_storage, register_flat_storage, remove_
 from _helpers import TiedLM, assert_unchanged, cast_per_forward, core_of, snapshot, twin
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-_aten = torch.ops.aten
-
-
-class _Block(nn.Module):
-    """Embedding, LayerNorm, a residual MLP and a tied head: several kinds of layers and a tie."""
-
-    def __init__(self, vocab: int = 13, dim: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, dim)
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 2 * dim)
-        self.down = nn.Linear(2 * dim, dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        h = h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
-        return self.head(h)
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -54,40 +34,12 @@ def _batches(n: int, vocab: int = 13) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (4, 5)) for _ in range(n)]
 
 
-class _CountCasts(TorchDispatchMode):
-    """Counts float32 -> bfloat16 conversions (``_to_copy``, ``copy_``) of a flat parameter or a slot.
-
-    Args:
-        model: a flattened model; conversions of tensors of its flat parameters' or
-            its weights' sizes are counted (the loss's own casts are not).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        storage = get_flat_storage(model)
-        self.sizes = {f.numel() for f in storage.flat_params} | {i.numel for i in storage.param_infos}
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is _aten._to_copy.default:
-            src, dst = args[0].dtype, kwargs.get("dtype")
-        elif func is _aten.copy_.default:
-            src, dst = args[1].dtype, args[0].dtype
-        else:
-            return out
-        if src == torch.float32 and dst == torch.bfloat16 and args[0].numel() in self.sizes:
-            self.casts += 1
-        return out
-
-
 # ------------------------------------------------------------------------------ semantics
 
 
 def test_views_are_the_compute_dtype_and_the_master_keeps_float32():
     """In flat mode ``layer.weight`` is bfloat16; the flat parameter, state dicts, named_grads float32."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     assert storage.mixed_precision == {"0": BF16}
     assert model.up.weight.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
@@ -105,7 +57,7 @@ def test_views_are_the_compute_dtype_and_the_master_keeps_float32():
 @pytest.mark.parametrize("micro_batches", [1, 4])
 def test_training_matches_the_cast_per_forward_reference(micro_batches):
     """Outputs bit-equal the reference's; masters allclose 1e-6 after AdamW steps with micro-batches."""
-    plain = _Block()
+    plain = Block()
     model = twin(plain)
     storage = register_flat_storage(model, mixed_precision=BF16)
     reference = cast_per_forward(plain)
@@ -131,7 +83,7 @@ def test_training_matches_the_cast_per_forward_reference(micro_batches):
 
 def test_micro_batches_accumulate_in_the_master_dtype():
     """Two backwards add their gradients in float32: the sum of each one's float32 gradient, bit for bit."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     a, b = _batches(2)
     _loss(model(a)).backward()
@@ -147,12 +99,12 @@ def test_micro_batches_accumulate_in_the_master_dtype():
 
 def test_a_forward_after_which_nothing_changed_casts_nothing():
     """No float32->bf16 cast per forward while the master is unchanged; one per group per step."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, {"w": ["*.weight"], "b": ["*.bias"]}, mixed_precision=BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = _batches(4)
     _loss(model(batches[0])).backward()  # the first use casts each group once
-    with _CountCasts(model) as counter:
+    with CountCasts(cast_sizes(storage)) as counter:
         for batch in batches:
             _loss(model(batch)).backward()
         with torch.no_grad():
@@ -161,7 +113,7 @@ def test_a_forward_after_which_nothing_changed_casts_nothing():
             model(batches[0])
     assert counter.casts == 0
     for _ in range(2):
-        with _CountCasts(model) as counter:
+        with CountCasts(cast_sizes(storage)) as counter:
             opt.step()
             opt.zero_grad()
             for batch in batches:  # 4 micro-batches
@@ -185,7 +137,7 @@ def test_a_forward_after_which_nothing_changed_casts_nothing():
 )
 def test_every_change_of_the_master_reaches_the_views(change):
     """After any write to the master, the next forward (and a submodule alone) sees its bf16 cast."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     flat = storage["0"]
     batch = _batches(1)[0]
@@ -227,7 +179,7 @@ def test_every_change_of_the_master_reaches_the_views(change):
 
 def test_a_write_into_a_view_lands_in_the_master():
     """``with no_grad: layer.weight.fill_(v)`` in flat mode reaches the float32 master and the state dict."""
-    model = _Block()
+    model = Block()
     register_flat_storage(model, mixed_precision=BF16)
     before = model.state_dict()["up.weight"].clone()
     with torch.no_grad():
@@ -236,12 +188,12 @@ def test_a_write_into_a_view_lands_in_the_master():
     state = model.state_dict()
     assert torch.equal(state["up.weight"], torch.full_like(before, 0.5))
     assert torch.equal(state["down.bias"], torch.zeros(8))
-    assert torch.equal(state["down.weight"], twin(_Block()).state_dict()["down.weight"])  # untouched
+    assert torch.equal(state["down.weight"], twin(Block()).state_dict()["down.weight"])  # untouched
 
 
 def test_a_write_into_a_view_and_a_master_step_unseen_between_raises():
     """A view written, then the master stepped before any sync point: a clear error, not a silent loss."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     flat = storage["0"]
     with torch.no_grad():
@@ -254,7 +206,7 @@ def test_a_write_into_a_view_and_a_master_step_unseen_between_raises():
 
 def test_unflattened_keeps_the_policy_and_removal_gives_the_float32_plain_model():
     """``unflattened()``: float32 leaves, bf16 forward (see ..._per_tensor.py); removal: float32."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     with storage.unflattened():
         assert model.up.weight.dtype == torch.float32 and model(_batches(1)[0]).dtype == torch.bfloat16
@@ -270,7 +222,7 @@ def test_unflattened_keeps_the_policy_and_removal_gives_the_float32_plain_model(
 
 def test_a_group_with_a_policy_and_one_without():
     """``{"main": policy}`` computes the linears in bf16 and keeps the norm (no policy) in float32."""
-    model = _Block()
+    model = Block()
     norm = ["norm.*"]
     storage = register_flat_storage(
         model,
@@ -286,7 +238,7 @@ def test_a_group_with_a_policy_and_one_without():
 
 def test_frozen_group_is_served_in_the_compute_dtype():
     """A frozen group gets a compute copy too (no gradient); the trainable one trains."""
-    model = _Block()
+    model = Block()
     model.embed.requires_grad_(False)
     storage = register_flat_storage(model, mixed_precision=BF16)
     assert len(storage.group_names) == 2
@@ -314,7 +266,7 @@ def test_cast_forward_inputs_and_output_dtype_as_fsdp2():
 
 def test_reduce_dtype_defaults_to_param_dtype():
     """The group's gradient buffer carries reduce_dtype (None: param_dtype), as FSDP2 reduces."""
-    model = _Block()
+    model = Block()
     policy = MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.float32)
     storage = register_flat_storage(
         model, {"a": ["up.*"], "b": ["down.*"]}, mixed_precision={"a": BF16, "b": policy}
@@ -328,7 +280,7 @@ def test_reduce_dtype_defaults_to_param_dtype():
 
 def test_using_serves_the_given_tensors_in_the_compute_dtype():
     """``using(t)`` serves bf16 casts of ``t`` and gradients flow into ``t`` in its dtype."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     other = (storage["0"].detach() * 2).requires_grad_()
     with storage.using([other]):
@@ -341,7 +293,7 @@ def test_using_serves_the_given_tensors_in_the_compute_dtype():
 
 def test_functional_call_with_the_flat_parameter_name():
     """``functional_call(model, {"flat_param_0": t})`` computes with bf16 casts of ``t``."""
-    plain = _Block()
+    plain = Block()
     model = twin(plain)
     storage = register_flat_storage(model, mixed_precision=BF16)
     t = storage["0"].detach().clone()
@@ -352,7 +304,7 @@ def test_functional_call_with_the_flat_parameter_name():
 
 def test_stack_and_call_stacked():
     """``call_stacked`` over two copies equals the reference vmapped over two copies of its weights."""
-    plain = _Block()
+    plain = Block()
     model = twin(plain)
     storage = register_flat_storage(model, mixed_precision=BF16)
     batch = _batches(1)[0]
@@ -371,7 +323,7 @@ def test_stack_and_call_stacked():
 
 def test_activation_checkpointing():
     """Non-reentrant checkpointing of a block gives the same float32 gradients as without."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     batch = _batches(1)[0]
     h = model.embed(batch)
@@ -412,7 +364,7 @@ def test_compile_is_one_graph_with_eager_results():
 
 def test_deepcopy_and_pickle_keep_the_policy():
     """A deep copy and a pickled copy are mixed-precision models of their own (float32 masters)."""
-    model = _Block()
+    model = Block()
     register_flat_storage(model, mixed_precision=BF16)
     batch = _batches(1)[0]
     expected = model(batch)
@@ -436,7 +388,7 @@ def test_deepcopy_and_pickle_keep_the_policy():
 def test_fp16_with_grad_scaler_trains_as_the_plain_model():
     """float16 compute with GradScaler("cpu"): scale, unscale_, inf checks, skipped steps as the reference."""
     policy = MixedPrecisionPolicy(param_dtype=torch.float16)
-    plain = _Block()
+    plain = Block()
     model = twin(plain)
     register_flat_storage(model, mixed_precision=policy)
     reference = cast_per_forward(plain, torch.float16)
@@ -462,7 +414,7 @@ def test_fp16_with_grad_scaler_trains_as_the_plain_model():
 
 def test_exist_ok_needs_the_same_policy():
     """``exist_ok=True`` returns the storage for the same policy and refuses another one."""
-    model = _Block()
+    model = Block()
     storage = register_flat_storage(model, mixed_precision=BF16)
     assert register_flat_storage(model, exist_ok=True, mixed_precision=BF16) is storage
     with pytest.raises(RuntimeError, match="another mixed_precision"):
@@ -497,7 +449,7 @@ def test_a_bad_policy_is_refused_and_changes_nothing(policy, error, match):
 
 def test_disagreeing_module_casts_are_refused():
     """Two groups asking for different input dtypes of the registered module's forward: a ValueError."""
-    model = _Block()
+    model = Block()
     half = MixedPrecisionPolicy(param_dtype=torch.float16)
     with pytest.raises(ValueError, match="disagree on cast_forward_inputs"):
         register_flat_storage(model, {"a": ["up.*"], "b": ["down.*"]}, mixed_precision={"a": BF16, "b": half})
