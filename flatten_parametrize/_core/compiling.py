@@ -12,9 +12,11 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["in_compiled_module_call", "never_compiled", "never_traced"]
+__all__ = ["compiling_or_tracing", "in_compiled_module_call", "never_compiled", "never_traced"]
 
 _frames: Any = torch._C._dynamo.eval_frame
+_compiling = torch.compiler.is_compiling
+_tracing = torch._C._is_tracing
 _SKIP = _frames._FrameAction.SKIP
 
 
@@ -44,3 +46,8 @@ def in_compiled_module_call() -> bool:
     """Return whether this eager frame runs inside a call of ``torch.compile(module)``."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
     return eval_frame is not None and bool(eval_frame._is_in_optimized_module())
+
+
+def compiling_or_tracing() -> bool:
+    """Return whether this code runs inside ``torch.compile``'s tracing or ``torch.jit.trace``."""
+    return bool(_compiling() or _tracing())

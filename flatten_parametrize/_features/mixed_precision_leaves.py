@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._core.compiling import compiling_or_tracing
 from .._core.master_leaf import DIRTY, WATCHED, base_class, master_class
 from .._core.records import Coordinator, Group
 from .._core.transaction import Transaction
@@ -121,18 +122,19 @@ class LeafCompute:
         """Per-tensor mode began: note the leaves, give them the master class, hook their modules."""
         self._storage_ref = weakref.ref(storage)
         modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
+        live = storage.live_names()
         groups = storage.groups()
         tx.on_undo(self._forget)  # the leaves' classes, counts and hooks are undone one by one
-        self._groups = {g: self._note(storage, groups[g], modules, tx) for g in self._indices}
+        self._groups = {g: self._note(groups[g], modules, live, tx) for g in self._indices}
 
     def _note(
-        self, storage: Coordinator, group: Group, modules: dict[str, nn.Module], tx: Transaction
+        self, group: Group, modules: dict[str, nn.Module], live: set[str], tx: Transaction
     ) -> _GroupLeaves:
         targets: list[tuple[nn.Module, str, int, Tensor]] = []
         by_owner: dict[int, list[int]] = {}
         leaves: dict[int, Tensor] = {}
         for slot in group.members:
-            names = [n for n in slot.all_names if _owner(modules, n, storage) is not None]
+            names = [n for n in slot.all_names if n in live]
             leaf = slot.param
             leaves[slot.index] = leaf
             tx.set_attr(leaf, "__class__", master_class(type(leaf)))
@@ -203,7 +205,7 @@ class LeafCompute:
 
     def _swap(self, owner: nn.Module | None) -> list[_Swap]:
         done: list[_Swap] = []
-        compiling = _is_compiling()
+        compiling = compiling_or_tracing()
         traced: dict[int, Tensor] = {}  # compiling: one cast per leaf, also for a tied one
         for g, record in self._groups.items():
             targets = record.targets if owner is None else record.by_module.get(id(owner))
@@ -260,22 +262,6 @@ class LeafCompute:
         return record.graph
 
 
-def _owner(modules: dict[str, nn.Module], name: str, storage: Coordinator) -> nn.Module | None:
-    """Return the module that holds flattened ``name`` now, if the storage still serves it there."""
-    path, _, attr = name.rpartition(".")
-    module = modules.get(path)
-    state = None if module is None else storage.state_of(module)
-    return module if state is not None and attr in state.slots else None
-
-
-_compiling = torch.compiler.is_compiling
-_tracing = torch._C._is_tracing
-
-
-def _is_compiling() -> bool:
-    return bool(_compiling() or _tracing())
-
-
 def _put_back(done: list[_Swap]) -> None:
     for module, attr, leaf, view in reversed(done):
         if module._parameters.get(attr) is view:  # outside code put something else there: it stays
@@ -318,7 +304,7 @@ def _unhook_owner(owner: nn.Module, tx: Transaction) -> None:
 
 def _owner_before(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of a module owning leaves: their compute views in place (see the module docstring)."""
-    if _is_compiling():  # a compiled forward: the registered module's hook put traced casts in place
+    if compiling_or_tracing():  # a compiled forward: the registered module's hook put traced casts in place
         return
     ref = _OWNER_OF.get(module)
     compute = None if ref is None else ref()
@@ -328,7 +314,7 @@ def _owner_before(module: nn.Module, args: Any) -> None:
 
 def _owner_after(module: nn.Module, args: Any, output: Any) -> None:
     """Forward hook of a module owning leaves (called also when the forward raised): the leaves back."""
-    if _is_compiling():
+    if compiling_or_tracing():
         return
     ref = _OWNER_OF.get(module)
     compute = None if ref is None else ref()

@@ -24,10 +24,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch import nn
 
-from .._core.compiling import never_compiled
+from .._core.compiling import compiling_or_tracing, never_compiled
 from .._core.leaves import mode_changed, register_leaves
 from .._core.names import registered_storage
 from .._core.records import Coordinator
@@ -104,10 +103,6 @@ class PerTensorMode:
             _unhook(root, tx)
 
 
-def _is_compiling() -> bool:
-    return bool(torch.compiler.is_compiling()) or bool(torch._C._is_tracing())
-
-
 def _wants_forward(feature: Any) -> bool:
     wants = getattr(feature, "forward_sync", None)
     return wants is not None and bool(wants())
@@ -129,7 +124,7 @@ def _before_forward(module: nn.Module, args: Any) -> None:
     core = registered_storage(module)
     if core is None or core.is_flattened:
         return
-    if not _is_compiling():  # a compiled forward: the eager call of the registered module settled
+    if not compiling_or_tracing():  # a compiled forward: the eager call of the registered module settled
         core = settle(core)
     for feature in list(core.features):
         before = getattr(feature, "before_forward", None)
