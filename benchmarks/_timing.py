@@ -221,6 +221,19 @@ def ratio(results: dict[str, Samples], name: str, baseline: str) -> float | None
     return results[name].median / results[baseline].median
 
 
+def paired_ratio(results: dict[str, Samples], name: str, baseline: str) -> float | None:
+    """Return the median over rounds of ``name``'s time over ``baseline``'s in the same round.
+
+    Both contenders' samples must be in round order (:func:`benchmarks._processes.time_in_turns`):
+    a round's contenders run seconds apart, so load that drifts over the run cancels out of each
+    ratio (``None`` if either is missing).
+    """
+    if name not in results or baseline not in results:
+        return None
+    pairs = zip(results[name].values, results[baseline].values)
+    return statistics.median(a / b for a, b in pairs)
+
+
 @dataclass
 class Table:
     """A titled table, printed as Markdown so that ``RESULTS.md`` can take it as is."""

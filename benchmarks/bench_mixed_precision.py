@@ -45,7 +45,17 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks import _mixed_precision_ranks as ranks
 from benchmarks._processes import Worker, emit, serve, started, time_in_turns, time_round
-from benchmarks._timing import Report, Samples, Settings, Table, at_least, at_most, fmt_ratio, fmt_time, ratio
+from benchmarks._timing import (
+    Report,
+    Samples,
+    Settings,
+    Table,
+    at_least,
+    at_most,
+    fmt_ratio,
+    fmt_time,
+    paired_ratio,
+)
 
 __all__ = ["CONTENDERS", "run"]
 
@@ -447,7 +457,7 @@ def run(settings: Settings) -> Report:
             for name in CHECKED:
                 for base, target in TARGETS[row]:
                     report.checks.append(
-                        at_most(f"{model} {row}: {name} / {base}", ratio(res, name, base), target)
+                        at_most(f"{model} {row}: {name} / {base}", paired_ratio(res, name, base), target)
                     )
     report.tables.append(_quality_table(quality, size["quality_steps"], settings.quick))
     report.tables.append(on_ranks)
@@ -490,18 +500,19 @@ def _timing_table(
         table.add(
             name,
             *cells,
-            fmt_ratio(ratio(results[f"{model}/{STEP1}"], name, FP32)),
-            fmt_ratio(ratio(results[f"{model}/{STEP1}"], name, AUTOCAST)),
-            fmt_ratio(ratio(results[f"{model}/{STEP4}"], name, AUTOCAST)),
-            fmt_ratio(ratio(results[f"{model}/{STEP1}"], name, HAND)),
-            fmt_ratio(ratio(results[f"{model}/{STEP4}"], name, HAND)),
-            fmt_ratio(ratio(results[f"{model}/{FWD_BWD}"], name, BF16)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP1}"], name, FP32)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP1}"], name, AUTOCAST)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP4}"], name, AUTOCAST)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP1}"], name, HAND)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP4}"], name, HAND)),
+            fmt_ratio(paired_ratio(results[f"{model}/{FWD_BWD}"], name, BF16)),
             _bytes(m),
         )
     table.notes.append(
         f"{rounds} rounds per row, contenders alternating (forward, then reverse order), each "
         "in its own process; median time per call and half the interquartile range; ratios are "
-        "times, lower is faster. Autocast adds "
+        "the median over rounds of the contender's time over the baseline's in the same round "
+        "(seconds apart, so that the machine's drifting load cancels), lower is faster. Autocast adds "
         "per-use casts that live until backward ends (not counted in bytes/param); AdamW state (8 "
         "bytes/param in the master's dtype, 4 for pure bfloat16) comes on top."
     )

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .engine import graph_task_id, queue_callback, run_post_accumulate_grad_hooks
+from .engine import graph_task_id, queue_callback, run_post_accumulate_grad_hooks, will_execute
 
 __all__ = ["BASE_GRAD", "LeafGrads"]
 
@@ -65,7 +65,19 @@ class LeafGrads:
         split: the group's split of a flat-shaped tensor into its members' views.
     """
 
-    __slots__ = ("__weakref__", "_flat", "_handles", "_regions", "_split", "indices", "leaves", "task")
+    __slots__ = (
+        "__weakref__",
+        "_accumulators",
+        "_claims",
+        "_flat",
+        "_handles",
+        "_positions",
+        "_regions",
+        "_split",
+        "indices",
+        "leaves",
+        "task",
+    )
 
     def __init__(
         self, flat: Tensor, leaves: Sequence[tuple[int, Tensor]], split: Callable[[Tensor], list[Tensor]]
@@ -79,6 +91,13 @@ class LeafGrads:
         #: The backward whose end :meth:`end` is queued for (``-1``: none).
         self.task = -1
         self._handles: list[RemovableHandle] = []
+        #: Member index -> position in ``leaves``.
+        self._positions = {index: position for position, index in enumerate(self.indices)}
+        #: Each leaf's gradient accumulator (made at its first :meth:`receive`).
+        self._accumulators: dict[int, Any] = {}
+        #: Backward (graph task) -> the positions whose slot holds a gradient that backward has not
+        #: accumulated yet (:meth:`receive`), held by that backward only: gone when it ends or raises.
+        self._claims: dict[int, weakref.ref[_Claims]] = {}
         self.reopen()
 
     def holds(self, flat: Tensor, leaves: Sequence[tuple[int, Tensor]]) -> bool:
@@ -104,6 +123,7 @@ class LeafGrads:
             handle.remove()
         self._handles = []
         self._regions = None
+        self._claims.clear()
         self.task = -1
 
     # -------------------------------------------------------------- backward
@@ -127,6 +147,7 @@ class LeafGrads:
         grads = [leaf.grad for leaf in self.leaves]
         if all(grad is None for grad in grads):
             return None
+        pending = self._pending()
         current: Tensor | None = BASE_GRAD.__get__(flat)
         if current is None:
             current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
@@ -136,11 +157,12 @@ class LeafGrads:
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         moved: list[tuple[Tensor, Tensor]] = []
-        for leaf, grad, region in zip(self.leaves, grads, regions):
+        for position, (leaf, grad, region) in enumerate(zip(self.leaves, grads, regions)):
             if grad is region:  # autograd accumulated in place: the common path
                 continue
             if grad is None:
-                zeros.append(region)
+                if position not in pending:  # a slot that backward filled keeps its gradient
+                    zeros.append(region)
                 continue
             if _same_elements(grad, region):  # a view of the slot made elsewhere (the mode switch's)
                 moved.append((leaf, region))
@@ -158,6 +180,97 @@ class LeafGrads:
             leaf.grad = region
         return current
 
+    def receive(
+        self, indices: Sequence[int], leaves: Sequence[Tensor], grads: Sequence[Tensor | None]
+    ) -> list[Tensor | None]:
+        """Return the members' gradients in the master dtype; each in its slot where the slot is free.
+
+        The backward of per-tensor mixed precision (``_features/mixed_precision_leaves.py``): the
+        compute views' gradients (``param_dtype``) become the leaves' (the flat gradient's dtype).
+        A leaf whose ``.grad`` is ``None``, whose accumulation this backward will run and whose slot
+        no backward has filled yet gets its gradient converted straight into its slot of the flat
+        gradient, and the slot is returned: autograd makes it the leaf's ``.grad`` without a copy
+        (and copies it if something else holds it). The others (a gradient to add to, a
+        ``torch.autograd.grad`` call, ``create_graph``) are converted into one new buffer.
+
+        Args:
+            indices: the members' indices in the layout.
+            leaves: their leaves (one that is not this mode's leaf any more is converted apart).
+            grads: their gradients (``None``: none).
+        """
+        flat = self._flat()
+        dtype = None if flat is None else flat.dtype
+        out: list[Tensor | None] = [None] * len(grads)
+        direct: list[tuple[int, int, Tensor]] = []  # (where in out, position, gradient)
+        rest: list[tuple[int, Tensor]] = []
+        task = graph_task_id()
+        pending = self._pending()
+        for where, (index, leaf, grad) in enumerate(zip(indices, leaves, grads)):
+            if grad is None:
+                continue
+            position = self._positions.get(index)
+            if (
+                flat is not None
+                and position is not None
+                and self.leaves[position] is leaf
+                and position not in pending
+                and self.leaves[position].grad is None
+                and type(grad) is Tensor
+                and self._accumulates(position)
+            ):
+                direct.append((where, position, grad))
+            else:
+                rest.append((where, grad))
+        with torch.no_grad():
+            if direct and flat is not None:
+                current: Tensor | None = BASE_GRAD.__get__(flat)
+                if current is None or not current.is_contiguous():
+                    current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+                    BASE_GRAD.__set__(flat, current)
+                regions = self._regions_of(current)
+                targets = [regions[position] for _, position, _ in direct]
+                torch._foreach_copy_(targets, [grad for _, _, grad in direct])
+                ref = self._claims.get(task)
+                claims = None if ref is None else ref()
+                if claims is None:
+                    claims = _Claims()
+                    queue_callback(claims.clear)  # the backward holds them: they go with it
+                    self._claims[task] = weakref.ref(claims)
+                for (where, position, _), target in zip(direct, targets):
+                    claims.add(position)
+                    out[where] = target.view_as(target)  # a tensor of its own: autograd may keep it
+            if rest:
+                converted = _converted([grad for _, grad in rest], dtype)
+                for (where, _), grad in zip(rest, converted):
+                    out[where] = grad
+        return out
+
+    def _pending(self) -> set[int]:
+        """Return the positions whose slot holds a gradient a backward in progress has not accumulated."""
+        if not self._claims:
+            return _NONE
+        live = {task: claims for task, ref in self._claims.items() if (claims := ref())}
+        if len(live) != len(self._claims):
+            self._claims = {task: self._claims[task] for task in live}
+        return set().union(*live.values()) if live else _NONE
+
+    def _accumulates(self, position: int) -> bool:
+        """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
+        if torch.is_grad_enabled():  # create_graph: the gradient has a graph of its own
+            return False
+        node = self._accumulators.get(position)
+        if node is None:
+            leaf = self.leaves[position]
+            with torch.enable_grad():
+                view_node = leaf.view_as(leaf).grad_fn
+            assert view_node is not None  # a leaf that requires grad
+            node = view_node.next_functions[0][0]
+            self._accumulators[position] = node
+        try:
+            return bool(will_execute(node))
+        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
+            return False
+
     def point_at(self, value: Tensor | None) -> None:
         """Make every leaf's gradient its view of ``value``, the new flat gradient (``None``: ``None``)."""
         self._regions = None
@@ -172,6 +285,27 @@ class LeafGrads:
             views = self._split(grad)
             cached = self._regions = (grad, [views[index] for index in self.indices])
         return cached[1]
+
+
+_NONE: set[int] = set()
+
+
+class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can point at
+    """The positions whose slots one backward filled and has not accumulated yet."""
+
+
+def _converted(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
+    """Return ``grads`` converted to ``dtype``: views of one new buffer (one allocation, one copy)."""
+    if (
+        dtype is None
+        or any(grad.dtype == dtype or type(grad) is not Tensor for grad in grads)
+        or (torch.is_grad_enabled())
+    ):
+        return [grad if dtype is None else grad.to(dtype) for grad in grads]
+    buffer = torch.empty(sum(grad.numel() for grad in grads), dtype=dtype, device=grads[0].device)
+    targets = [part.view(grad.shape) for part, grad in zip(buffer.split([g.numel() for g in grads]), grads)]
+    torch._foreach_copy_(targets, grads)
+    return targets
 
 
 def _same_elements(grad: Tensor, region: Tensor) -> bool:

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.compiling import compiling_or_tracing
+from .._core.grad import GroupGrad
 from .._core.master_leaf import DIRTY, WATCHED, base_class, master_class
 from .._core.records import Coordinator, Group
 from .._core.transaction import Transaction
@@ -62,7 +63,9 @@ class _LeafCast(torch.autograd.Function):  # the name shows in graphs: _LeafCast
     """The compute views of one module's leaves as the outputs of one node whose inputs are the leaves."""
 
     @staticmethod
-    def forward(views: tuple[Tensor, ...], *leaves: Tensor) -> tuple[Tensor, ...]:
+    def forward(
+        views: tuple[Tensor, ...], grads: GroupGrad, indices: tuple[int, ...], *leaves: Tensor
+    ) -> tuple[Tensor, ...]:
         # Detached aliases of the compute copy (as ``split_node._GroupSplit`` serves flat mode's views):
         # a cast after a step updates them in place, and autograd's own check refuses a backward whose
         # saved weights changed since, as on the plain model.
@@ -70,12 +73,21 @@ class _LeafCast(torch.autograd.Function):  # the name shows in graphs: _LeafCast
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dtypes = tuple(leaf.dtype for leaf in inputs[1:])
+        ctx.grads, ctx.indices = inputs[1], inputs[2]
+        ctx.leaves = [weakref.ref(leaf) for leaf in inputs[3:]]
+        ctx.dtypes = tuple(leaf.dtype for leaf in inputs[3:])
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (None, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)))
+        # Each gradient in the master dtype, straight into its slot of the flat gradient where it can.
+        landing = ctx.grads.leaves
+        leaves = [ref() for ref in ctx.leaves]
+        if landing is None or any(leaf is None for leaf in leaves):
+            converted = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
+        else:
+            converted = landing.receive(ctx.indices, leaves, grads)
+        return (None, None, None, *converted)
 
 
 @dataclass
@@ -256,7 +268,10 @@ class LeafCompute:
             with torch.inference_mode(False):
                 for indices in record.by_owner.values():
                     outputs = _LeafCast.apply(
-                        tuple(record.plain[i] for i in indices), *(leaves[i] for i in indices)
+                        tuple(record.plain[i] for i in indices),
+                        group.grads,
+                        tuple(indices),
+                        *(leaves[i] for i in indices),
                     )
                     record.graph.update(zip(indices, outputs))
         return record.graph

@@ -166,6 +166,105 @@ def test_per_tensor_views_from_a_direct_call_and_activation_checkpointing():
         model.zero_grad()
 
 
+# ------------------------------------------------------------------ where gradients land
+
+
+class _CountUpcasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the float32 tensors that backward writes a leaf-sized gradient into, by how."""
+
+    def __init__(self, sizes: set[int]) -> None:
+        super().__init__()
+        self.sizes, self.new, self.copies = sizes, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32:
+            self.new += args[0].numel() in self.sizes
+        if func is torch.ops.aten.copy_.default and args[0].dtype == args[1].dtype == torch.float32:
+            self.copies += args[0].numel() in self.sizes
+        return func(*args, **kwargs)
+
+
+def test_backward_converts_each_gradient_straight_into_its_slot():
+    """no float32 gradient per leaf, no copy into a slot; each ``.grad`` is its slot."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    sizes = {info.numel for info in storage.param_infos}
+    for batch in _batches(2):
+        model.zero_grad()
+        plain.zero_grad()
+        with _CountUpcasts(sizes) as counter:
+            _loss(model(batch)).backward()
+        assert (counter.new, counter.copies) == (0, 0)
+        _loss(reference(batch)).backward()
+        flat_grad = storage.flat_params[0].grad
+        for name, param in model.named_parameters():
+            assert torch.equal(param.grad, plain.get_parameter(name).grad), name
+            assert flat_grad.data_ptr() <= param.grad.data_ptr() < flat_grad.data_ptr() + flat_grad.nbytes
+
+
+def test_autograd_grad_returns_gradients_of_their_own_and_leaves_the_slots_alone():
+    """``torch.autograd.grad`` over the leaves: the reference's values, in tensors no backward touches."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    batch = _batches(1)[0]
+    grads = torch.autograd.grad(_loss(model(batch)), list(model.parameters()))
+    expected = torch.autograd.grad(_loss(reference(batch)), list(plain.parameters()))
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+    assert all(p.grad is None for p in model.parameters()) and storage.flat_params[0].grad is None
+    kept = [g.clone() for g in grads]
+    _loss(model(_batches(2)[1])).backward()
+    assert all(torch.equal(g, k) for g, k in zip(grads, kept))
+
+
+def _weight_read_before_forward(model: nn.Module, hook) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """A term on ``up.weight`` made before the forward: backward reaches it after ``up``'s slot is filled."""
+    term = (model.up.weight * 1.0).sum()
+    term.register_hook(hook)
+    return term
+
+
+def test_a_flat_gradient_read_during_backward_keeps_what_backward_put_in_the_slots():
+    """A hook reading ``flat_param.grad`` while a slot holds a gradient not accumulated changes nothing."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    batch = _batches(1)[0]
+    reads = []
+    extra = _weight_read_before_forward(model, lambda g: reads.append(storage.flat_params[0].grad))
+    ref_extra = (plain.up.weight * 1.0).sum()
+    (_loss(model(batch)) + extra).backward()
+    (_loss(reference(batch)) + ref_extra).backward()
+    assert reads  # the hook ran mid-backward
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, plain.get_parameter(name).grad), name
+
+
+def test_a_backward_that_raises_leaves_no_gradient_in_the_slots_it_filled():
+    """After a backward raised halfway, the slots it filled read zero where the next gives no gradient."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    batch = _batches(1)[0]
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("stop here")
+
+    extra = _weight_read_before_forward(model, fail)
+    with pytest.raises(RuntimeError, match="stop here"):
+        (_loss(model(batch)) + extra).backward()
+    del extra
+    assert model.up.weight.grad is None
+    model.zero_grad()  # the plain model too keeps what that backward accumulated before it raised
+    _loss(model.embed(batch)).backward()  # a direct call: only the embedding gets a gradient
+    _loss(nn.functional.embedding(batch, plain.embed.weight.to(torch.bfloat16))).backward()
+    grads = dict(storage.named_grads())
+    assert torch.equal(grads["embed.weight"], plain.embed.weight.grad)
+    assert model.up.weight.grad is None and grads["up.weight"] is None
+    assert not storage.views_of([storage.flat_params[0].grad])["up.weight"].any()  # the plain model's zeros
+
+
 def test_a_forward_that_raises_puts_the_leaves_back():
     """An exception inside the forward: every module holds its float32 leaf again, nothing half-swapped."""
     model, _ = _per_tensor(Block())
