@@ -149,6 +149,9 @@ class Coordinator(Protocol):
     def module(self) -> nn.Module:
         """The registered module (raises for a detached storage)."""
 
+    def module_or_none(self) -> nn.Module | None:
+        """The registered module, or ``None`` once it was garbage collected."""
+
     @property
     def module_unchecked(self) -> nn.Module:
         """The registered module, also while registration or removal is under way."""

@@ -55,11 +55,21 @@ from .._core.grad import check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
 from .engine import checked_process_group
-from .sharded_args import ALLOWED_OPTIMIZERS, check_class, check_same_layout, hyperparameters, param_groups
+from .sharded_args import (
+    ALLOWED_OPTIMIZERS,
+    WholeTensorGroup,
+    check_class,
+    check_same_layout,
+    elementwise_class,
+    hyperparameters,
+    param_groups,
+    whole_tensor_groups,
+)
 from .sharded_collectives import Collectives
-from .sharded_local import LocalStep
+from .sharded_local import LocalOptimizers, LocalStep, WholeTensorStep, no_checkpoints
 from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
-from .sharded_partition import Partition, SliceOwnership
+from .sharded_partition import Member as PartitionMember
+from .sharded_partition import Partition, SliceOwnership, TensorOwnership
 from .sharded_reducer import Reducer, ready_hook
 
 if TYPE_CHECKING:
@@ -115,6 +125,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             whole gradients and keeps them (ZeRO-1).
         allow_unlisted: accept an ``optimizer_class`` outside
             ``ALLOWED_OPTIMIZERS`` that the caller knows to be element-wise.
+        whole_tensors: give each rank whole tensors instead of slices, for
+            optimizers whose math is per tensor (Muon, Adafactor, LAMB):
+            each bucket is cut at tensor boundaries into one contiguous
+            range per rank, balanced by elements (never through a tensor
+            whose group's optimizer is not element-wise), and the rank
+            steps its tensors in their real shapes. ``params`` may then
+            hold the model's parameters of per-tensor mode (after
+            ``storage.unflatten()``) and a param group may name its own
+            class under ``"optimizer_class"`` (e.g. Muon on the matrices,
+            the constructor's AdamW on the rest). Checkpoints of this mode
+            (``state_dict()``, ``sharded_state_dict()``, DCP) raise.
         **optimizer_kwargs: defaults for the inner optimizer (``lr=...``).
 
     Raises:
@@ -153,35 +174,64 @@ class ShardedOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         shard_gradients: bool = True,
         allow_unlisted: bool = False,
+        whole_tensors: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         core: Coordinator = core_behind(storage, "ShardedOptimizer")
-        check_class(optimizer_class, allow_unlisted)
-        groups = param_groups(core, params)
-        check_sync(buffers(synced(core, [p for g in groups for p in g["params"]])), self, SYNCS)
+        check_class(optimizer_class, allow_unlisted, whole_tensors=whole_tensors)
+        wholes = whole_tensor_groups(core, params, optimizer_class, allow_unlisted) if whole_tensors else None
+        groups = param_groups(core, params) if wholes is None else []
+        used = (
+            [p for g in groups for p in g["params"]]
+            if wholes is None
+            else [core.flat_params[g] for g in sorted({g for w in wholes for g, _ in w.members})]
+        )
+        check_sync(buffers(synced(core, used)), self, SYNCS)
         pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
         self._shard_gradients = bool(shard_gradients)
+        self._whole_tensors = wholes is not None
         #: The process group and every collective over it.
         self._comm = Collectives(pg, world)
         #: Who owns which slice: this rank's slices, in core order (the order collectives start in).
-        self._ownership: Partition = SliceOwnership(world, self._comm.rank)
+        self._ownership: Partition = (
+            SliceOwnership(world, self._comm.rank)
+            if wholes is None
+            else TensorOwnership(world, self._comm.rank, _members_of(core, wholes, allow_unlisted))
+        )
         #: The gradient path during backward.
         self._reducer = Reducer(core, self._ownership, self._comm, self._shard_gradients)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
         self._member = Member(self, core, self._shard_gradients, _follower(weakref.ref(self)))
         self._building = True
-        inner_groups = [{**g, "params": self._ownership.add(core.flat_params, g["params"])} for g in groups]
-        #: The inner optimizer (of ``optimizer_class``) over this rank's slices.
-        self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
-        self._local = LocalStep(self.local_optimizer, self._ownership, self._shard_gradients)
-        outer = [
-            {**hyperparameters(inner), "params": g["params"]}
-            for g, inner in zip(groups, self.local_optimizer.param_groups)
-        ]
-        super().__init__(outer, dict(self.local_optimizer.defaults))
+        if wholes is None:
+            inner_groups = [
+                {**g, "params": self._ownership.add(core.flat_params, g["params"])} for g in groups
+            ]
+            #: The inner optimizer (of ``optimizer_class``) over this rank's slices.
+            self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
+            self._local = LocalStep(self.local_optimizer, self._ownership, self._shard_gradients)
+            outer = [
+                {**hyperparameters(inner), "params": g["params"]}
+                for g, inner in zip(groups, self.local_optimizer.param_groups)
+            ]
+            defaults = dict(self.local_optimizer.defaults)
+        else:
+            self._ownership.add(core.flat_params, used)
+            outer, self._local = _whole_tensor_step(
+                wholes, self._ownership, optimizer_class, optimizer_kwargs, self._shard_gradients
+            )
+            self.local_optimizer = self._local.optimizer
+            defaults = {}
+        super().__init__(outer, defaults)
         self._building = False
-        check_same_layout(core, self.param_groups, optimizer_class, self._shard_gradients, self._comm)
+        check_same_layout(
+            core,
+            self.param_groups if wholes is None else wholes,
+            optimizer_class,
+            self._shard_gradients,
+            self._comm,
+        )
         self._broadcast(core.flat_params)
         self._join(core)
         weakref.finalize(self, self._member.leave)
@@ -265,6 +315,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._building:
             super().add_param_group(param_group)
             return
+        if self._whole_tensors:
+            raise RuntimeError(
+                "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it "
+                "cannot add a param group later; build it with every param group"
+            )
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
         (group,) = param_groups(storage, [param_group], taken=taken)
@@ -287,7 +342,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> opt.zero_grad()
         """
         super().zero_grad(set_to_none)
-        self.local_optimizer.zero_grad(set_to_none)
+        self._local.zero_grad(set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's slices with the inner optimizer, then gather every slice on every rank.
@@ -378,6 +433,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> if dist.get_rank() == 0:
             ...     torch.save(sd, "optim.pt")
         """
+        if self._whole_tensors:
+            raise no_checkpoints("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         result = _sharded_state.gathered_state_dict(self._state_view())
@@ -404,6 +461,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.load_state_dict(torch.load("optim.pt"))
         """
+        if self._whole_tensors:
+            raise no_checkpoints("load_state_dict()")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hooked = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it a dict
             if hooked is not None:
@@ -427,6 +486,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")
         """
+        if self._whole_tensors:
+            raise no_checkpoints("sharded_state_dict()")
         return _sharded_state.local_state_dict(self._state_view())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -450,6 +511,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(saved_world_size)]
             >>> opt.load_sharded_state_dict(parts)
         """
+        if self._whole_tensors:
+            raise no_checkpoints("load_sharded_state_dict()")
         _sharded_state.load_local_parts(self._state_view(), state_dict)
         self._link_state()
 
@@ -466,6 +529,70 @@ def init_state(opt: ShardedOptimizer) -> None:
     """
     if opt._local.init_state():
         opt._link_state()
+
+
+def _members_of(
+    core: Coordinator, wholes: Sequence[WholeTensorGroup], allow_unlisted: bool
+) -> Callable[[int], list[PartitionMember]]:
+    """Return ``g ->`` flat parameter ``g``'s members, atomic where their optimizer is not element-wise."""
+    atomic = {
+        member: not elementwise_class(w.optimizer_class, allow_unlisted)
+        for w in wholes
+        for member in w.members
+    }
+
+    def members(g: int) -> list[PartitionMember]:
+        layout = core.groups()[g].layout
+        return [
+            (
+                index,
+                layout.offsets[index],
+                layout.numels[index],
+                layout.shapes[index],
+                atomic.get((g, index), False),
+            )
+            for index in range(len(layout.numels))
+        ]
+
+    return members
+
+
+def _whole_tensor_step(
+    wholes: Sequence[WholeTensorGroup],
+    ownership: Partition,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    shard_gradients: bool,
+) -> tuple[list[dict[str, Any]], WholeTensorStep]:
+    """Return the outer param groups and the inner optimizers over this rank's whole tensors.
+
+    One inner optimizer per class, over the tensors this rank owns of the groups of that class (none
+    where it owns none); each outer group holds its class's defaults, the group's own settings and the
+    user's tensors, so that an LR scheduler's changes reach the inner group at each step.
+    """
+    shards = {shard.g: shard for shard in ownership.shards}
+    by_class: dict[type[torch.optim.Optimizer], list[tuple[dict[str, Any], int]]] = {}
+    outer = []
+    for i, whole in enumerate(wholes):
+        kwargs = optimizer_kwargs if whole.optimizer_class is optimizer_class else {}
+        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs).param_groups[0]  # the class's defaults
+        outer.append(
+            {**hyperparameters(probe), **hyperparameters(whole.group), "params": whole.group["params"]}
+        )
+        pieces = [
+            shards[g].pieces[index]  # type: ignore[attr-defined]  # TensorShard
+            for g, index in whole.members
+            if g in shards and index in shards[g].pieces  # type: ignore[attr-defined]
+        ]
+        if pieces:
+            by_class.setdefault(whole.optimizer_class, []).append(({**outer[i], "params": pieces}, i))
+    optimizers, links = [], []
+    for cls, items in by_class.items():
+        opt = cls([inner for inner, _ in items])  # type: ignore[call-arg]  # each group holds every setting
+        optimizers.append(opt)
+        links += [(opt.param_groups[j], i) for j, (_, i) in enumerate(items)]
+    local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
+    return outer, local
 
 
 def _follower(ref: weakref.ref[ShardedOptimizer]) -> Callable[[], None]:

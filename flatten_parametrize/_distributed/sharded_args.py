@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -13,7 +13,19 @@ if TYPE_CHECKING:
     from .._core.records import Coordinator
     from .sharded_collectives import Collectives
 
-__all__ = ["ALLOWED_OPTIMIZERS", "check_class", "check_same_layout", "hyperparameters", "param_groups"]
+__all__ = [
+    "ALLOWED_OPTIMIZERS",
+    "CLASS_KEY",
+    "WholeTensorGroup",
+    "check_class",
+    "check_same_layout",
+    "hyperparameters",
+    "param_groups",
+    "whole_tensor_groups",
+]
+
+#: The key of a param group that names its own optimizer class (``whole_tensors=True``).
+CLASS_KEY = "optimizer_class"
 
 #: Optimizers whose update of an element depends only on that element's gradient and state
 #: (so that a slice cut through parameters is stepped exactly like the whole).
@@ -31,8 +43,14 @@ ALLOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 _NEVER = (torch.optim.LBFGS, torch.optim.SparseAdam)
 
 
-def check_class(optimizer_class: Any, allow_unlisted: bool) -> None:
-    """Refuse anything but an element-wise ``torch.optim.Optimizer`` class."""
+def elementwise_class(optimizer_class: type, allow_unlisted: bool) -> bool:
+    """Return whether ``optimizer_class`` may step slices cut through tensors (element-wise math)."""
+    return optimizer_class in ALLOWED_OPTIMIZERS or allow_unlisted
+
+
+def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool = False) -> None:
+    """Refuse anything but an element-wise ``torch.optim.Optimizer`` class (any class but LBFGS's kind
+    with ``whole_tensors``)."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             f"ShardedOptimizer: optimizer_class must be a torch.optim.Optimizer subclass; got "
@@ -41,15 +59,98 @@ def check_class(optimizer_class: Any, allow_unlisted: bool) -> None:
     allowed = ", ".join(c.__name__ for c in ALLOWED_OPTIMIZERS)
     if issubclass(optimizer_class, _NEVER):
         raise ValueError(
-            f"ShardedOptimizer: {optimizer_class.__name__} is not element-wise (it needs whole tensors), so "
-            f"its state cannot be cut into slices; use one of {allowed}"
+            f"ShardedOptimizer: {optimizer_class.__name__} is not element-wise and its math reads across "
+            "tensors (LBFGS: all parameters as one vector; SparseAdam: sparse gradients), so no rank can "
+            f"step a part of the model alone; use one of {allowed}, or any optimizer whose update of a "
+            "tensor uses that tensor only (Muon, Adafactor) with whole_tensors=True"
         )
-    if optimizer_class not in ALLOWED_OPTIMIZERS and not allow_unlisted:
+    if not whole_tensors and optimizer_class not in ALLOWED_OPTIMIZERS and not allow_unlisted:
         raise ValueError(
             f"ShardedOptimizer steps slices cut through parameters, so it takes element-wise optimizers "
-            f"only: {allowed}; got {optimizer_class.__qualname__}; pass allow_unlisted=True if you know that "
-            "its update of each element uses only that element's gradient and state"
+            f"only: {allowed}; got {optimizer_class.__qualname__}; pass whole_tensors=True (per-tensor "
+            "mode) to give each rank whole tensors, or allow_unlisted=True if you know that its update of "
+            "each element uses only that element's gradient and state"
         )
+
+
+class WholeTensorGroup(NamedTuple):
+    """One param group of a ``ShardedOptimizer(whole_tensors=True)``, checked."""
+
+    #: The group as given, with ``params`` a list of the user's tensors.
+    group: dict[str, Any]
+    #: Its optimizer class (the group's own, or the constructor's).
+    optimizer_class: type[torch.optim.Optimizer]
+    #: ``(flat parameter index, member index)`` of every tensor it holds, in the order given.
+    members: list[tuple[int, int]]
+
+
+def whole_tensor_groups(
+    storage: Coordinator, params: Any, optimizer_class: type[torch.optim.Optimizer], allow_unlisted: bool
+) -> list[WholeTensorGroup]:
+    """Return ``params`` as checked groups over the storage's tensors (``whole_tensors=True``).
+
+    A group's ``params`` may hold flat parameters (all of their tensors) and,
+    in per-tensor mode, the model's parameters (each one tensor). A group may
+    name its own optimizer class under ``"optimizer_class"``.
+
+    Raises:
+        TypeError: if ``params`` is not an iterable of tensors or of param-group dicts.
+        ValueError: if a tensor is not one of the storage's, or is listed twice.
+    """
+    flats = storage.flat_params
+    if params is None:
+        params = [{"params": list(flats)}]
+    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"ShardedOptimizer: params must be None or an iterable of tensors or of param-group dicts; got "
+            f"{type(params).__name__}; pass e.g. [{{'params': mats, 'optimizer_class': torch.optim.Muon}}]"
+        )
+    items = list(params)
+    if items and not isinstance(items[0], Mapping):
+        items = [{"params": items}]
+    slots = {
+        id(slot.param): (g, slot.index) for g, group in enumerate(storage.groups()) for slot in group.members
+    }
+    sizes = [len(group.members) for group in storage.groups()]
+    seen: dict[tuple[int, int], int] = {}
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or "params" not in item:
+            raise TypeError(
+                f"ShardedOptimizer: param group {i} must be a dict with a 'params' list; got "
+                f"{type(item).__name__}; pass e.g. {{'params': matrices, 'lr': 0.02}}"
+            )
+        cls = item.get(CLASS_KEY, optimizer_class)
+        check_class(cls, allow_unlisted, whole_tensors=True)
+        tensors = item["params"]
+        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        members: list[tuple[int, int]] = []
+        for p in tensors:
+            g = next((g for g, f in enumerate(flats) if f is p), None)
+            if g is not None:
+                found = [(g, index) for index in range(sizes[g])]
+            elif id(p) in slots:
+                found = [slots[id(p)]]
+            else:
+                what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
+                raise ValueError(
+                    f"ShardedOptimizer(whole_tensors=True): every parameter must be a flat parameter of the "
+                    f"storage or, in per-tensor mode, one of the model's parameters; got {what} in param "
+                    f"group {i}; call storage.unflatten() before building the optimizer and pass "
+                    "model.parameters()"
+                )
+            for member in found:
+                if member in seen:
+                    info = storage.groups()[member[0]].members[member[1]]
+                    raise ValueError(
+                        f"ShardedOptimizer: {info.name} appears in param groups {seen[member]} and {i}; "
+                        "list each parameter once"
+                    )
+                seen[member] = i
+            members += found
+        group = {k: v for k, v in item.items() if k != CLASS_KEY}
+        out.append(WholeTensorGroup({**group, "params": tensors}, cls, members))
+    return out
 
 
 def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
@@ -100,7 +201,7 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def check_same_layout(
     storage: Coordinator,
-    groups: Sequence[Mapping[str, Any]],
+    groups: Sequence[Mapping[str, Any]] | Sequence[WholeTensorGroup],
     optimizer_class: type,
     shard_gradients: bool,
     comm: Collectives,
@@ -116,7 +217,12 @@ def check_same_layout(
         (
             [(n, f.numel(), str(f.dtype), f.requires_grad) for n, f in zip(storage.group_names, flats)],
             [(i.name, i.group, i.offset, i.numel, tuple(i.shape)) for i in storage.param_infos],
-            [[next(g for g, f in enumerate(flats) if f is p) for p in pg["params"]] for pg in groups],
+            [
+                (pg.members, pg.optimizer_class.__qualname__)
+                if isinstance(pg, WholeTensorGroup)
+                else [next(g for g, f in enumerate(flats) if f is p) for p in pg["params"]]
+                for pg in groups
+            ],
             optimizer_class.__qualname__,
             shard_gradients,
         )

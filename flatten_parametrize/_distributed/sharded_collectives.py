@@ -98,7 +98,7 @@ class Collectives:
         in one padded buffer, it is the returned slice-sized tensor.
         """
         pg, world = self.group, self.world
-        if self.by_owner:
+        if self.by_owner or not shard.even:  # uneven ranges (whole tensors) move by owner on any backend
             works = []
             for owner in range(world):
                 lo, hi = shard.bounds(owner)
@@ -120,7 +120,7 @@ class Collectives:
                 flat = shard.flat.detach()
                 if shard.shadow:
                     flat[shard.lo : shard.hi].copy_(shard.param[: shard.hi - shard.lo])
-                if self.by_owner:
+                if self.by_owner or not shard.even:
                     for owner in range(world):
                         lo, hi = shard.bounds(owner)
                         if hi > lo:
@@ -146,7 +146,7 @@ class Collectives:
     def gather_value(self, shard: Shard, value: Tensor) -> Tensor:
         """Return a new tensor of the whole flat parameter from every owner's slice-sized ``value``."""
         world, pg = self.world, self.group
-        if not self.by_owner:
+        if not (self.by_owner or not shard.even):
             out = value.new_empty(shard.chunk * world)
             all_gather(out, value.contiguous(), group=pg)
             return out[: shard.numel].clone()

@@ -20,7 +20,7 @@ from .sharded_args import hyperparameters
 from .sharded_collectives import Collectives
 from .sharded_partition import Partition
 
-__all__ = ["LocalStep"]
+__all__ = ["LocalOptimizers", "LocalStep", "WholeTensorStep", "no_checkpoints"]
 
 
 class LocalStep:
@@ -42,6 +42,10 @@ class LocalStep:
         for outer, inner in zip(outer_groups, self.optimizer.param_groups):
             inner.update(hyperparameters(outer))
         self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Reset the gradients of this rank's slices."""
+        self.optimizer.zero_grad(set_to_none)
 
     def state_by_flat(self) -> dict[Tensor, dict[str, Any]]:
         """Return ``{flat parameter: the inner optimizer's state of its shard}`` for the shards with state."""
@@ -132,3 +136,90 @@ class LocalStep:
             grad.detach().mul_(coef.to(grad.device, grad.dtype))
         dtype = grads[0].dtype if grads else torch.float32
         return total.to(dtype)
+
+
+class LocalOptimizers(torch.optim.Optimizer):
+    """The inner optimizers of a ``ShardedOptimizer(whole_tensors=True)``, one per class, stepped as one.
+
+    ``param_groups`` lists every inner optimizer's groups (the same dicts) and
+    ``state`` their state; :meth:`step` and :meth:`zero_grad` run each. A
+    rank that owns no tensor of a class has no optimizer of it (torch's
+    optimizers refuse an empty parameter list).
+
+    Args:
+        optimizers: the inner optimizers.
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        super().__init__([{"params": []}], {})
+        self.optimizers = list(optimizers)
+        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
+        self._relink()
+
+    def _relink(self) -> None:
+        self.state.clear()
+        for opt in self.optimizers:
+            self.state.update(opt.state)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step every inner optimizer (a closure is not supported: the outer optimizer runs it)."""
+        for opt in self.optimizers:
+            opt.step()
+        self._relink()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every inner optimizer's tensors."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none)
+
+
+class WholeTensorStep(LocalStep):
+    """The inner optimizers over the whole tensors this rank owns (``ShardedOptimizer(whole_tensors=True)``).
+
+    Args:
+        optimizer: the inner optimizers.
+        links: ``(inner param group, outer group index)`` of every inner group.
+        ownership: who owns which tensors (this rank's ranges).
+        shard_gradients: ZeRO-2.
+    """
+
+    def __init__(
+        self,
+        optimizer: LocalOptimizers,
+        links: Sequence[tuple[dict[str, Any], int]],
+        ownership: Partition,
+        shard_gradients: bool,
+    ) -> None:
+        super().__init__(optimizer, ownership, shard_gradients)
+        self._links = list(links)
+
+    def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
+        """Step every inner optimizer with its outer group's hyperparameters (an LR scheduler's)."""
+        for inner, index in self._links:
+            inner.update(hyperparameters(outer_groups[index]))
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Reset the gradients of this rank's ranges and tensors."""
+        for shard in self._ownership.shards:
+            shard.zero_grad(set_to_none)  # type: ignore[attr-defined]  # TensorShard
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_by_flat(self) -> dict[Tensor, dict[str, Any]]:
+        """Return ``{this rank's tensor: its state}`` for the tensors with state."""
+        return dict(self.optimizer.state)
+
+    def init_state(self) -> bool:
+        """Refuse: the state of whole tensors has no checkpoint format yet."""
+        raise no_checkpoints("torch.distributed.checkpoint")
+
+
+def no_checkpoints(what: str) -> RuntimeError:
+    """Return the error of checkpoint call ``what`` on ``ShardedOptimizer(whole_tensors=True)``."""
+    return RuntimeError(
+        f"ShardedOptimizer(whole_tensors=True) has no checkpoint format yet, so {what} cannot save or load "
+        "its state; save the model (model.state_dict()) and build the optimizer again after loading it, or "
+        "use whole_tensors=False with an element-wise optimizer"
+    )

@@ -16,14 +16,18 @@ equal slices of ``Shard.chunk`` elements.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from torch import Tensor
 
-from .shard import Shard
+from .shard import Shard, TensorShard
 
-__all__ = ["Partition", "SliceOwnership"]
+#: ``(member index, flat offset, numel, shape, atomic)`` of one member of a flat parameter, where
+#: ``atomic`` says that its optimizer needs it whole (its math is per tensor).
+Member = tuple[int, int, int, tuple[int, ...], bool]
+
+__all__ = ["Member", "Partition", "SliceOwnership", "TensorOwnership", "cut_whole_tensors"]
 
 
 class Partition(Protocol):
@@ -131,20 +135,103 @@ class SliceOwnership:
         Raises:
             RuntimeError: if ``strict`` and a flat parameter changed dtype or device.
         """
-        replaced = []
-        for shard in self._shards:
-            flat = flats[shard.g]
-            if flat.dtype != shard.param.dtype or flat.device != shard.param.device:
-                if not strict:
-                    continue
-                raise RuntimeError(
-                    f"ShardedOptimizer: flat parameter {names[shard.g]!r} moved to "
-                    f"{flat.dtype} on {flat.device} after the optimizer was built for {shard.param.dtype} on "
-                    f"{shard.param.device}; build the optimizer after model.to(...)"
-                )
-            if flat is not shard.flat:
-                replaced.append((shard.flat, flat))
-                shard.flat = flat
-            if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
-                shard.bind()  # new memory, or values written into a padded slice's range (a load)
-        return replaced
+        return _follow(self._shards, flats, names, strict)
+
+
+class TensorOwnership(SliceOwnership):
+    """Each rank owns whole tensors of every trainable flat parameter: one contiguous range per rank.
+
+    Each flat parameter's members, in their layout order, are cut into one
+    range per rank by :func:`cut_whole_tensors`: balanced by elements, and
+    never through a member whose optimizer needs it whole (its math is per
+    tensor: Muon, Adafactor, Shampoo, LAMB). No reordering and no padding: the
+    ranges are uneven, so the collectives move them one owner at a time.
+
+    Args:
+        world: the number of ranks.
+        rank: this rank.
+        members: ``g -> `` the members of flat parameter ``g`` (:data:`Member`), in layout order.
+    """
+
+    def __init__(self, world: int, rank: int, members: Callable[[int], Sequence[Member]]) -> None:
+        super().__init__(world, rank)
+        self._members = members
+
+    def add(self, flat_params: Sequence[Tensor], flats: Sequence[Tensor]) -> list[Tensor]:
+        """Cut each trainable flat parameter of ``flats`` at whole tensors; return this rank's ranges."""
+        new: list[Shard] = []
+        for g, flat in enumerate(flat_params):
+            if not (flat.requires_grad and any(flat is f for f in flats)):
+                continue
+            members = self._members(g)
+            cuts = cut_whole_tensors(flat.numel(), members, self.world)
+            lo, hi = cuts[self.rank], cuts[self.rank + 1]
+            pieces = []
+            for index, offset, numel, shape, _ in members:
+                start, stop = max(offset, lo), min(offset + numel, hi)
+                if stop > start:
+                    whole = start == offset and stop == offset + numel
+                    pieces.append((index, start, stop - start, shape if whole else (stop - start,)))
+            new.append(TensorShard(g, flat, self.rank, cuts, pieces))
+        self._shards = sorted(self._shards + new, key=lambda s: s.g)
+        by_flat = {id(s.flat): s for s in new}
+        return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
+
+
+def cut_whole_tensors(numel: int, members: Sequence[Member], world: int) -> list[int]:
+    """Return the ``world + 1`` boundaries of the ranks' ranges of a flat buffer of ``numel`` elements.
+
+    Rank ``r`` gets ``[cuts[r], cuts[r + 1])``. Each boundary is the even cut
+    ``round(numel * r / world)``, moved to the nearer end of an atomic member
+    that it would split (never before the previous boundary): each rank's
+    range differs from ``numel / world`` by at most half the largest atomic
+    member, and a member that may be split (element-wise math) keeps the even
+    cut.
+
+    Args:
+        numel: the flat buffer's size, padding included.
+        members: its members (:data:`Member`), in any order.
+        world: the number of ranks.
+
+    Returns:
+        The boundaries, from 0 to ``numel``, non-decreasing.
+
+    Example:
+        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), True), (1, 6, 4, (4,), False)], 2)
+        [0, 6, 10]
+        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), False), (1, 6, 4, (4,), False)], 2)
+        [0, 5, 10]
+    """
+    atomic = sorted((offset, offset + n) for _, offset, n, _, whole in members if whole and n > 1)
+    cuts = [0]
+    for r in range(1, world):
+        cut = (numel * r + world // 2) // world
+        for start, stop in atomic:
+            if start < cut < stop:
+                cut = start if cut - start <= stop - cut else stop
+                break
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append(numel)
+    return cuts
+
+
+def _follow(
+    shards: Sequence[Shard], flats: Sequence[Tensor], names: Sequence[str], strict: bool
+) -> list[tuple[Tensor, Tensor]]:
+    replaced = []
+    for shard in shards:
+        flat = flats[shard.g]
+        if flat.dtype != shard.param.dtype or flat.device != shard.param.device:
+            if not strict:
+                continue
+            raise RuntimeError(
+                f"ShardedOptimizer: flat parameter {names[shard.g]!r} moved to "
+                f"{flat.dtype} on {flat.device} after the optimizer was built for {shard.param.dtype} on "
+                f"{shard.param.device}; build the optimizer after model.to(...)"
+            )
+        if flat is not shard.flat:
+            replaced.append((shard.flat, flat))
+            shard.flat = flat
+        if flat.data_ptr() != shard.ptr or (shard.shadow and flat._version != shard.version):
+            shard.bind()  # new memory, or values written into a padded slice's range (a load)
+    return replaced

@@ -151,6 +151,10 @@ class StorageCore:
         module = self._root_ref()
         return module is not None and registered_storage(module) is self
 
+    def module_or_none(self) -> nn.Module | None:
+        """Return the registered module, or ``None`` once it was garbage collected."""
+        return self._root_ref()
+
     @property
     def module_unchecked(self) -> nn.Module:
         """Return the registered module, also while registration is still under way."""

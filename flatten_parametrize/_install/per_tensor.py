@@ -90,8 +90,10 @@ class PerTensorMode:
         storage = self._storage_ref()
         if storage is None or self.watch is None:
             return
+        root = storage.module_or_none()
+        if root is None:  # the model is gone (an optimizer outliving it leaves): nothing to hook
+            return
         tx = tx if tx is not None else Transaction()
-        root = storage.module_unchecked
         needed = any(_wants_forward(feature) for feature in storage.features)
         hooked = any(hook is _before_forward for hook in root._forward_pre_hooks.values())
         if needed and not hooked:

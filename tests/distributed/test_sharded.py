@@ -719,7 +719,8 @@ def test_unlisted_optimizers_need_opting_in(world1):
     """Adadelta is not listed: the error lists the allowed ones and allow_unlisted=True lets it in."""
     model, storage = _small()
     with pytest.raises(
-        ValueError, match=r"element-wise optimizers only: SGD, .*RMSprop; got Adadelta; pass allow"
+        ValueError,
+        match=r"optimizers only: SGD, .*RMSprop; got Adadelta; pass whole_tensors=True.*allow_unlis",
     ):
         ShardedOptimizer(storage, torch.optim.Adadelta)
     opt = ShardedOptimizer(storage, torch.optim.Adadelta, allow_unlisted=True)

@@ -1,0 +1,278 @@
+"""``ShardedOptimizer(whole_tensors=True)``: each rank owns whole tensors, per-tensor optimizers by group.
+
+torch's ``Muon`` docstring split (the blocks' matrices to ``Muon``, the rest to ``AdamW``) over a small
+GPT-like model in per-tensor mode, on 2 and 3 gloo ranks (one launch each, every scenario in it), ZeRO-1
+and ZeRO-2, with gradient accumulation under ``no_sync``, an LR scheduler, a tie, a frozen layer and a
+rank that owns no matrix. The reference runs in the same process: the plain model, the same optimizers,
+each step's gradient the average of every rank's accumulated gradient, computed as the collectives
+compute it. On 2 ranks that average is exact (a sum of two, a division by two), so the weights are
+equal bit for bit; on 3 ranks the order of gloo's sum of three is its own, so they agree within a few
+ulps (``rtol=1e-6``). ``clip_grad_norm_`` sums the ranks' float64 norms where torch's takes the norm of
+per-tensor norms in float32: the same clip within ``rtol=1e-6``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize._distributed.sharded_partition import cut_whole_tensors
+
+from _helpers import launch_gloo, launch_results, save_result
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+ROWS = 6  # per rank and micro-batch
+
+
+class _Gpt(nn.Module):
+    """An embedding in front (element-wise AdamW: may be cut), two blocks of matrices, a tied head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {"up": nn.Linear(dim, 3 * dim), "down": nn.Linear(3 * dim, dim), "norm": nn.LayerNorm(dim)}
+            )
+            for _ in range(2)
+        )
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block["down"](torch.tanh(block["up"](block["norm"](h))))
+        return self.head(self.frozen(h))
+
+
+def _split(model: nn.Module) -> list[dict[str, Any]]:
+    """torch's Muon docstring split: hidden matrices to Muon, the rest (trainable) to AdamW."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    matrices = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in named if not (p.ndim == 2 and n.startswith("blocks."))]
+    return [
+        {"params": matrices, "optimizer_class": torch.optim.Muon, "lr": 0.02},
+        {"params": rest, "lr": 1e-2},
+    ]
+
+
+def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, 64, (ROWS, 5), generator=gen)
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).pow(2).mean()
+
+
+def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+
+
+def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool) -> dict[str, Any]:
+    model = _Gpt()
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    opt = ShardedOptimizer(
+        storage, torch.optim.AdamW, _split(model), whole_tensors=True, shard_gradients=shard_gradients
+    )
+    schedule = _schedule(opt)
+    held, norms = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                _loss(model, _batch(step, micro, rank)).backward()
+        held.append(
+            {
+                "leaf_grads": sum(p.grad is not None for p in model.parameters()),
+                "range_grads": sum(
+                    s.param.grad.numel() for s in opt._ownership.shards if s.param.grad is not None
+                ),
+            }
+        )
+        if clip:
+            norms.append(opt.clip_grad_norm_(0.05))
+        opt.step()
+        schedule.step()
+    return {
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "classes": sorted(type(o).__name__ for o in opt.local_optimizer.optimizers),
+        "held": held,
+        "norms": norms,
+        "ranges": [(s.lo, s.hi) for s in opt._ownership.shards],
+    }
+
+
+def _reference(world: int, clip: bool) -> dict[str, Any]:
+    """The plain model, the same optimizers, each step's gradient averaged as the collectives do it."""
+    model = _Gpt()
+    groups = _split(model)
+    muon = torch.optim.Muon(groups[0]["params"], lr=groups[0]["lr"])
+    adamw = torch.optim.AdamW(groups[1]["params"], lr=groups[1]["lr"])
+    schedules = [_schedule(muon), _schedule(adamw)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = []
+    for step in range(STEPS):
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            for p in params:
+                p.grad = None
+            for micro in range(2):
+                _loss(model, _batch(step, micro, rank)).backward()
+            for t, p in zip(total, params):
+                t.add_(p.grad)
+        for t, p in zip(total, params):
+            p.grad = t / world
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, 0.05))
+        muon.step()
+        adamw.step()
+        for schedule in schedules:
+            schedule.step()
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+
+
+SCENARIOS = {"zero2": (True, False), "zero1": (False, False), "zero2_clip": (True, True)}
+
+
+def _worker(rank: int, world: int, outdir: Any) -> None:
+    torch.set_num_threads(1)
+    for name, (shard_gradients, clip) in SCENARIOS.items():
+        save_result(outdir, rank, name, _sharded(rank, world, shard_gradients, clip))
+        save_result(outdir, rank, f"{name}.reference", _reference(world, clip))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return launch_gloo(_worker, tmp_path_factory.mktemp(f"whole{request.param}"), world=request.param)
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_muon_and_adamw_by_group_train_as_one_process_on_every_rank(launch, scenario):
+    """Muon on the blocks' matrices, AdamW on the rest: every rank's model is the one-process model."""
+    exact = launch["world"] == 2 and not SCENARIOS[scenario][1]
+    for result, reference in zip(
+        launch_results(launch, scenario), launch_results(launch, f"{scenario}.reference")
+    ):
+        assert set(result["weights"]) == set(reference["weights"])
+        for name, value in reference["weights"].items():
+            if exact:
+                assert torch.equal(result["weights"][name], value), name
+            else:
+                torch.testing.assert_close(result["weights"][name], value, rtol=1e-6, atol=1e-7)
+        for norm, expected in zip(result["norms"], reference["norms"]):
+            torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+
+
+def test_each_rank_owns_whole_matrices_in_one_range_and_zero2_keeps_only_that_range(launch):
+    """The ranges tile the bucket; no matrix crosses a cut; after backward ZeRO-2 holds the range only."""
+    results = launch_results(launch, "zero2")
+    ranges = [r["ranges"][0] for r in results]  # of the trainable bucket (the frozen one has none)
+    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    for result in results:
+        lo, hi = result["ranges"][0]
+        for held in result["held"]:
+            assert held["leaf_grads"] == 0  # the model's full gradients were freed
+            assert held["range_grads"] == hi - lo
+    if launch["world"] == 3:
+        assert any("Muon" not in r["classes"] for r in results)  # a rank with no matrix still trains
+
+
+def test_cuts_never_split_an_atomic_tensor_and_stay_within_half_of_the_largest():
+    """The cut rule over a bucket: atomic members whole, even cuts kept inside divisible ones."""
+    members = [(0, 0, 100, (100,), False), (1, 100, 24, (4, 6), True), (2, 124, 40, (5, 8), True)]
+    for world in (1, 2, 3, 4, 7):
+        cuts = cut_whole_tensors(164, members, world)
+        assert cuts[0] == 0 and cuts[-1] == 164 and cuts == sorted(cuts)
+        for _, offset, numel, _, atomic in members:
+            if atomic:
+                assert not any(offset < c < offset + numel for c in cuts)
+        for r in range(world):
+            assert abs(cuts[r + 1] - cuts[r] - 164 / world) <= 40 / 2 + 164 / world
+
+
+# ----------------------------------------------------------------------------- in this process (1 rank)
+
+
+def _per_tensor_gpt() -> tuple[nn.Module, Any]:
+    model = _Gpt()
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    return model, storage
+
+
+def test_a_per_tensor_optimizer_without_whole_tensors_is_refused_with_the_way_out(world1):
+    """Muon over slices cut through matrices would compute something else: refused, naming whole_tensors."""
+    _, storage = _per_tensor_gpt()
+    with pytest.raises(ValueError, match=r"element-wise optimizers only.*got Muon; pass whole_tensors=True"):
+        ShardedOptimizer(storage, torch.optim.Muon)
+
+
+def test_whole_tensor_groups_take_the_model_parameters_once_each(world1):
+    """A tensor of another model, or one listed in two groups, is refused before anything changes."""
+    model, storage = _per_tensor_gpt()
+    other = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"must be a flat parameter of the storage or, in per-tensor mode.*"):
+        ShardedOptimizer(storage, torch.optim.AdamW, [other], whole_tensors=True)
+    with pytest.raises(ValueError, match=r"blocks\.0\.up\.weight appears in param groups 0 and 1; list each"):
+        ShardedOptimizer(
+            storage,
+            torch.optim.AdamW,
+            [{"params": [model.blocks[0].up.weight]}, {"params": [model.blocks[0].up.weight]}],
+            whole_tensors=True,
+        )
+    with pytest.raises(TypeError, match=r"param group 0 must be a dict with a 'params' list"):
+        ShardedOptimizer(storage, torch.optim.AdamW, [{"lr": 0.1}, {"params": []}], whole_tensors=True)
+
+
+def test_on_one_rank_whole_tensors_step_as_the_plain_optimizers(world1):
+    """World size 1: Muon and AdamW by group over one rank's whole model give the plain model's weights."""
+    model, storage = _per_tensor_gpt()
+    opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
+    reference = _reference(1, clip=False)
+    schedule = _schedule(opt)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            _loss(model, _batch(step, micro, 0)).backward()
+        opt.step()
+        schedule.step()
+    for name, value in reference["weights"].items():
+        assert torch.equal(model.get_parameter(name), value), name
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["state_dict", "load_state_dict", "sharded_state_dict", "load_sharded_state_dict", "add_param_group"],
+)
+def test_what_whole_tensors_cannot_do_yet_raises_with_the_way_out(world1, call):
+    """Checkpoints of this mode and a later param group raise and say what to do instead."""
+    model, storage = _per_tensor_gpt()
+    opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
+    args = {"state_dict": (), "sharded_state_dict": (), "add_param_group": ({"params": []},)}.get(call, ({},))
+    with pytest.raises(RuntimeError, match=r"whole_tensors=True\) (has no checkpoint format yet|cuts every)"):
+        getattr(opt, call)(*args)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_an_optimizer_that_outlives_its_per_tensor_model_leaves_quietly(world1):
+    """The model goes first, then the optimizer: its finalizer finds no module to unhook and says nothing."""
+    model, storage = _per_tensor_gpt()
+    opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
+    del model, storage
+    gc.collect()
+    del opt
+    gc.collect()
