@@ -106,6 +106,7 @@ class TensorShard(Shard):
         rank: this rank.
         cuts: the ranks' range boundaries, ``world + 1`` offsets from 0 to ``flat.numel()``.
         pieces: ``(member index, flat offset, numel, shape)`` of each piece in this rank's range.
+        spans: member index -> the whole member's ``(flat offset, numel, shape)``, for each piece.
     """
 
     even = False
@@ -117,6 +118,7 @@ class TensorShard(Shard):
         rank: int,
         cuts: Sequence[int],
         pieces: Sequence[tuple[int, int, int, tuple[int, ...]]],
+        spans: dict[int, tuple[int, int, tuple[int, ...]]],
     ) -> None:
         self.g = g
         self.flat = flat
@@ -128,6 +130,7 @@ class TensorShard(Shard):
         self.param = torch.zeros(0, dtype=flat.dtype, device=flat.device)
         self.hooked = None
         self.where = tuple(pieces)
+        self.spans = spans
         #: Member index -> its piece (what the inner optimizers step).
         self.pieces = {index: torch.zeros(0, dtype=flat.dtype, device=flat.device) for index, *_ in pieces}
         self.bind()

@@ -71,6 +71,7 @@ from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
 from .sharded_partition import Member as PartitionMember
 from .sharded_partition import Partition, SliceOwnership, TensorOwnership
 from .sharded_reducer import Reducer, ready_hook
+from .sharded_whole_state import WholeStateView, gathered_whole_state_dict, load_whole_state_dict
 
 if TYPE_CHECKING:
     from .._core.records import Coordinator, PublicStorage
@@ -134,8 +135,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             hold the model's parameters of per-tensor mode (after
             ``storage.unflatten()``) and a param group may name its own
             class under ``"optimizer_class"`` (e.g. Muon on the matrices,
-            the constructor's AdamW on the rest). Checkpoints of this mode
-            (``state_dict()``, ``sharded_state_dict()``, DCP) raise.
+            the constructor's AdamW on the rest). ``state_dict()`` is then
+            the plain model's per-tensor format (any world size); the
+            per-rank ``sharded_state_dict()`` and DCP raise.
         **optimizer_kwargs: defaults for the inner optimizer (``lr=...``).
 
     Raises:
@@ -190,7 +192,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
         self._shard_gradients = bool(shard_gradients)
-        self._whole_tensors = wholes is not None
+        #: The param groups of ``whole_tensors=True`` (``None``: slices).
+        self._wholes = wholes
         #: The process group and every collective over it.
         self._comm = Collectives(pg, world)
         #: Who owns which slice: this rank's slices, in core order (the order collectives start in).
@@ -290,6 +293,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if replaced:
             self._hook()
 
+    def _whole_state_view(self, wholes: Sequence[WholeTensorGroup]) -> WholeStateView:
+        """Return what the checkpoint of ``whole_tensors=True`` reads of this optimizer."""
+        local = self.local_optimizer
+        assert isinstance(local, LocalOptimizers)
+        return WholeStateView(self.param_groups, wholes, local, self._ownership, self._comm)
+
     def _state_view(self) -> _sharded_state.StateView:
         """Return what the state conversion reads of this optimizer."""
         return _sharded_state.StateView(self.param_groups, self.local_optimizer, self._ownership, self._comm)
@@ -315,7 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._building:
             super().add_param_group(param_group)
             return
-        if self._whole_tensors:
+        if self._wholes is not None:
             raise RuntimeError(
                 "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it "
                 "cannot add a param group later; build it with every param group"
@@ -433,11 +442,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> if dist.get_rank() == 0:
             ...     torch.save(sd, "optim.pt")
         """
-        if self._whole_tensors:
-            raise no_checkpoints("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        result = _sharded_state.gathered_state_dict(self._state_view())
+        if self._wholes is not None:
+            result = gathered_whole_state_dict(self._whole_state_view(self._wholes))
+        else:
+            result = _sharded_state.gathered_state_dict(self._state_view())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hooked = post_hook(self, result)
             if hooked is not None:
@@ -461,13 +471,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> opt.load_state_dict(torch.load("optim.pt"))
         """
-        if self._whole_tensors:
-            raise no_checkpoints("load_state_dict()")
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hooked = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it a dict
             if hooked is not None:
                 state_dict = hooked
-        _sharded_state.load_gathered(self._state_view(), state_dict)
+        if self._wholes is not None:
+            load_whole_state_dict(self._whole_state_view(self._wholes), state_dict)
+        else:
+            _sharded_state.load_gathered(self._state_view(), state_dict)
         self._link_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -486,7 +497,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")
         """
-        if self._whole_tensors:
+        if self._wholes is not None:
             raise no_checkpoints("sharded_state_dict()")
         return _sharded_state.local_state_dict(self._state_view())
 
@@ -511,7 +522,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(saved_world_size)]
             >>> opt.load_sharded_state_dict(parts)
         """
-        if self._whole_tensors:
+        if self._wholes is not None:
             raise no_checkpoints("load_sharded_state_dict()")
         _sharded_state.load_local_parts(self._state_view(), state_dict)
         self._link_state()
@@ -587,10 +598,9 @@ def _whole_tensor_step(
         if pieces:
             by_class.setdefault(whole.optimizer_class, []).append(({**outer[i], "params": pieces}, i))
     optimizers, links = [], []
-    for cls, items in by_class.items():
-        opt = cls([inner for inner, _ in items])  # type: ignore[call-arg]  # each group holds every setting
-        optimizers.append(opt)
-        links += [(opt.param_groups[j], i) for j, (_, i) in enumerate(items)]
+    for o, (cls, items) in enumerate(by_class.items()):
+        optimizers.append(cls([inner for inner, _ in items]))  # type: ignore[call-arg]  # groups hold all
+        links += [(o, j, i) for j, (_, i) in enumerate(items)]
     local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
     return outer, local
 

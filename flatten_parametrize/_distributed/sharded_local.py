@@ -153,10 +153,11 @@ class LocalOptimizers(torch.optim.Optimizer):
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         super().__init__([{"params": []}], {})
         self.optimizers = list(optimizers)
-        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
-        self._relink()
+        self.relink()
 
-    def _relink(self) -> None:
+    def relink(self) -> None:
+        """List the inner optimizers' groups and state again (a load replaces their group dicts)."""
+        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
         self.state.clear()
         for opt in self.optimizers:
             self.state.update(opt.state)
@@ -166,7 +167,7 @@ class LocalOptimizers(torch.optim.Optimizer):
         """Step every inner optimizer (a closure is not supported: the outer optimizer runs it)."""
         for opt in self.optimizers:
             opt.step()
-        self._relink()
+        self.relink()
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -180,7 +181,7 @@ class WholeTensorStep(LocalStep):
 
     Args:
         optimizer: the inner optimizers.
-        links: ``(inner param group, outer group index)`` of every inner group.
+        links: ``(inner optimizer index, its group index, outer group index)`` of every inner group.
         ownership: who owns which tensors (this rank's ranges).
         shard_gradients: ZeRO-2.
     """
@@ -188,7 +189,7 @@ class WholeTensorStep(LocalStep):
     def __init__(
         self,
         optimizer: LocalOptimizers,
-        links: Sequence[tuple[dict[str, Any], int]],
+        links: Sequence[tuple[int, int, int]],
         ownership: Partition,
         shard_gradients: bool,
     ) -> None:
@@ -197,8 +198,9 @@ class WholeTensorStep(LocalStep):
 
     def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
         """Step every inner optimizer with its outer group's hyperparameters (an LR scheduler's)."""
-        for inner, index in self._links:
-            inner.update(hyperparameters(outer_groups[index]))
+        optimizers = self.optimizer.optimizers  # type: ignore[attr-defined]  # LocalOptimizers
+        for o, j, index in self._links:  # by position: a load gives the inner optimizers new group dicts
+            optimizers[o].param_groups[j].update(hyperparameters(outer_groups[index]))
         self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -212,14 +214,14 @@ class WholeTensorStep(LocalStep):
         return dict(self.optimizer.state)
 
     def init_state(self) -> bool:
-        """Refuse: the state of whole tensors has no checkpoint format yet."""
+        """Refuse: DCP does not take the state of whole tensors yet."""
         raise no_checkpoints("torch.distributed.checkpoint")
 
 
 def no_checkpoints(what: str) -> RuntimeError:
     """Return the error of checkpoint call ``what`` on ``ShardedOptimizer(whole_tensors=True)``."""
     return RuntimeError(
-        f"ShardedOptimizer(whole_tensors=True) has no checkpoint format yet, so {what} cannot save or load "
-        "its state; save the model (model.state_dict()) and build the optimizer again after loading it, or "
-        "use whole_tensors=False with an element-wise optimizer"
+        f"ShardedOptimizer(whole_tensors=True) has no per-rank checkpoint format yet, so {what} cannot save "
+        "or load its state; use opt.state_dict() and opt.load_state_dict() (the plain model's per-tensor "
+        "format, gathered on every rank, loadable at any world size)"
     )

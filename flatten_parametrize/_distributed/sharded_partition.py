@@ -166,13 +166,14 @@ class TensorOwnership(SliceOwnership):
             members = self._members(g)
             cuts = cut_whole_tensors(flat.numel(), members, self.world)
             lo, hi = cuts[self.rank], cuts[self.rank + 1]
-            pieces = []
+            pieces, spans = [], {}
             for index, offset, numel, shape, _ in members:
                 start, stop = max(offset, lo), min(offset + numel, hi)
                 if stop > start:
                     whole = start == offset and stop == offset + numel
                     pieces.append((index, start, stop - start, shape if whole else (stop - start,)))
-            new.append(TensorShard(g, flat, self.rank, cuts, pieces))
+                    spans[index] = (offset, numel, shape)
+            new.append(TensorShard(g, flat, self.rank, cuts, pieces, spans))
         self._shards = sorted(self._shards + new, key=lambda s: s.g)
         by_flat = {id(s.flat): s for s in new}
         return [by_flat[id(f)].param for f in flats if id(f) in by_flat]

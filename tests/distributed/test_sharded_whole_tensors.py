@@ -14,6 +14,7 @@ per-tensor norms in float32: the same clip within ``rtol=1e-6``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from typing import Any
 
@@ -116,8 +117,11 @@ def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool) -> dict[s
     }
 
 
-def _reference(world: int, clip: bool) -> dict[str, Any]:
-    """The plain model, the same optimizers, each step's gradient averaged as the collectives do it."""
+def _reference(worlds: list[int], clip: bool) -> dict[str, Any]:
+    """The plain model, the same optimizers, each step's gradient averaged as the collectives do it.
+
+    Step ``i`` averages over ``worlds[i]`` ranks (a run resumed at another world size).
+    """
     model = _Gpt()
     groups = _split(model)
     muon = torch.optim.Muon(groups[0]["params"], lr=groups[0]["lr"])
@@ -125,7 +129,7 @@ def _reference(world: int, clip: bool) -> dict[str, Any]:
     schedules = [_schedule(muon), _schedule(adamw)]
     params = [p for p in model.parameters() if p.requires_grad]
     norms = []
-    for step in range(STEPS):
+    for step, world in enumerate(worlds):
         total = [torch.zeros_like(p) for p in params]
         for rank in range(world):
             for p in params:
@@ -142,22 +146,86 @@ def _reference(world: int, clip: bool) -> dict[str, Any]:
         adamw.step()
         for schedule in schedules:
             schedule.step()
-    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "norms": norms}
+    state = [muon.state[p] for p in groups[0]["params"]] + [adamw.state[p] for p in groups[1]["params"]]
+    return {
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "norms": norms,
+        "state": state,
+    }
+
+
+def _train(model: nn.Module, opt: Any, schedule: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        for micro in range(2):
+            with opt.no_sync() if micro == 0 else contextlib.nullcontext():
+                _loss(model, _batch(step, micro, rank)).backward()
+        opt.step()
+        schedule.step()
+
+
+def _built(shard_gradients: bool = True) -> tuple[nn.Module, Any, Any]:
+    model = _Gpt()
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    opt = ShardedOptimizer(
+        storage, torch.optim.AdamW, _split(model), whole_tensors=True, shard_gradients=shard_gradients
+    )
+    return model, opt, _schedule(opt)
+
+
+def _save(rank: int, world: int, outdir: Any) -> None:
+    """Train 2 steps, gather the state on every rank; rank 0 writes model, optimizer and schedule."""
+    model, opt, schedule = _built()
+    _train(model, opt, schedule, rank, range(2))
+    state = opt.state_dict()
+    if rank == 0:
+        torch.save(
+            {"model": model.state_dict(), "opt": state, "schedule": schedule.state_dict()},
+            outdir / "checkpoint.pt",
+        )
+    save_result(outdir, rank, "saved", {"state": state})
+
+
+def _resume(rank: int, world: int, path: Any) -> dict[str, Any]:
+    """Load a checkpoint written at another world size and train step 2 here."""
+    model, opt, schedule = _built()
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    schedule.load_state_dict(saved["schedule"])
+    _train(model, opt, schedule, rank, range(2, 3))
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 SCENARIOS = {"zero2": (True, False), "zero1": (False, False), "zero2_clip": (True, True)}
 
 
-def _worker(rank: int, world: int, outdir: Any) -> None:
+def _worker(rank: int, world: int, outdir: Any, saved_by: Any = None) -> None:
     torch.set_num_threads(1)
     for name, (shard_gradients, clip) in SCENARIOS.items():
         save_result(outdir, rank, name, _sharded(rank, world, shard_gradients, clip))
-        save_result(outdir, rank, f"{name}.reference", _reference(world, clip))
+        save_result(outdir, rank, f"{name}.reference", _reference([world] * STEPS, clip))
+    if saved_by is None:
+        _save(rank, world, outdir)
+    else:
+        save_result(outdir, rank, "resumed", _resume(rank, world, saved_by / "checkpoint.pt"))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
-def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return launch_gloo(_worker, tmp_path_factory.mktemp(f"whole{request.param}"), world=request.param)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return launch_gloo(_worker, tmp_path_factory.mktemp("whole2"), world=2)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    worker = functools.partial(_worker, saved_by=two_ranks["outdir"])
+    return launch_gloo(worker, tmp_path_factory.mktemp("whole3"), world=3)
+
+
+@pytest.fixture(params=[2, 3], ids=["2 ranks", "3 ranks"])
+def launch(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return request.getfixturevalue("two_ranks" if request.param == 2 else "three_ranks")
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -242,7 +310,7 @@ def test_on_one_rank_whole_tensors_step_as_the_plain_optimizers(world1):
     """World size 1: Muon and AdamW by group over one rank's whole model give the plain model's weights."""
     model, storage = _per_tensor_gpt()
     opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
-    reference = _reference(1, clip=False)
+    reference = _reference([1] * STEPS, clip=False)
     schedule = _schedule(opt)
     for step in range(STEPS):
         opt.zero_grad()
@@ -254,16 +322,15 @@ def test_on_one_rank_whole_tensors_step_as_the_plain_optimizers(world1):
         assert torch.equal(model.get_parameter(name), value), name
 
 
-@pytest.mark.parametrize(
-    "call",
-    ["state_dict", "load_state_dict", "sharded_state_dict", "load_sharded_state_dict", "add_param_group"],
-)
+@pytest.mark.parametrize("call", ["sharded_state_dict", "load_sharded_state_dict", "add_param_group"])
 def test_what_whole_tensors_cannot_do_yet_raises_with_the_way_out(world1, call):
-    """Checkpoints of this mode and a later param group raise and say what to do instead."""
+    """Per-rank checkpoints of this mode and a later param group raise and say what to do instead."""
     model, storage = _per_tensor_gpt()
     opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
-    args = {"state_dict": (), "sharded_state_dict": (), "add_param_group": ({"params": []},)}.get(call, ({},))
-    with pytest.raises(RuntimeError, match=r"whole_tensors=True\) (has no checkpoint format yet|cuts every)"):
+    args = {"sharded_state_dict": (), "add_param_group": ({"params": []},)}.get(call, ({},))
+    with pytest.raises(
+        RuntimeError, match=r"whole_tensors=True\) (has no per-rank checkpoint format|cuts every)"
+    ):
         getattr(opt, call)(*args)
 
 
@@ -276,3 +343,69 @@ def test_an_optimizer_that_outlives_its_per_tensor_model_leaves_quietly(world1):
     gc.collect()
     del opt
     gc.collect()
+
+
+def test_the_gathered_state_is_the_one_process_optimizers_state_on_every_rank(two_ranks, one_intra_op_thread):
+    """After 2 steps on 2 ranks: each tensor's state, by position, is Muon's and AdamW's in one process.
+
+    The reference is computed with one thread, as the ranks compute.
+    """
+    reference = _reference([2, 2], clip=False)["state"]
+    for result in launch_results(two_ranks, "saved"):
+        state = result["state"]["state"]
+        assert sorted(state) == list(range(len(reference)))
+        for position, expected in enumerate(reference):
+            assert state[position].keys() == expected.keys(), position
+            for key, value in expected.items():
+                assert torch.equal(state[position][key], value), (position, key)
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three_and_on_one_as_an_uninterrupted_run(
+    two_ranks, three_ranks, world1, one_intra_op_thread
+):
+    """Saved on 2 ranks after 2 steps; step 3 on 3 ranks, and on 1 rank here: the reference's weights."""
+    on_three = _reference([2, 2, 3], clip=False)["weights"]
+    for result in launch_results(three_ranks, "resumed"):
+        for name, value in on_three.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-6, atol=1e-7)
+    on_one = _reference([2, 2, 1], clip=False)["weights"]
+    resumed = _resume(0, 1, two_ranks["outdir"] / "checkpoint.pt")
+    for name, value in on_one.items():
+        assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_a_one_process_optimizers_state_loads_into_the_sharded_one_and_back(world1):
+    """One AdamW over the plain model and the sharded one over its twin swap states: both go on alike."""
+    plain, twin = _Gpt(), _Gpt()
+    storage = register_flat_storage(twin)
+    storage.unflatten()
+    single = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    sharded = ShardedOptimizer(
+        storage, torch.optim.AdamW, list(twin.parameters()), whole_tensors=True, lr=1e-2
+    )
+    for model, opt in ((plain, single), (twin, sharded)):
+        _loss(model, _batch(0, 0, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    sharded.load_state_dict(single.state_dict())
+    single.load_state_dict(sharded.state_dict())
+    for model, opt in ((plain, single), (twin, sharded)):
+        _loss(model, _batch(1, 0, 0)).backward()
+        opt.step()
+    for name, value in plain.named_parameters():
+        assert torch.equal(twin.get_parameter(name), value), name
+
+
+def test_a_state_dict_of_other_param_groups_is_refused_before_anything_changes(world1):
+    """A state saved for one group of all tensors does not fit Muon's and AdamW's groups: nothing loads."""
+    model, opt, schedule = _built()
+    _train(model, opt, schedule, 0, range(1))
+    before = opt.state_dict()["state"]
+    single = torch.optim.AdamW(_Gpt().parameters(), lr=1e-2)
+    with pytest.raises(
+        ValueError, match=r"param groups hold \[\d+\] tensors, this optimizer's hold \[4, \d+\]"
+    ):
+        single.zero_grad()
+        opt.load_state_dict(single.state_dict())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, entry in before.items() for k, v in entry.items())
