@@ -58,13 +58,13 @@ class _Gpt(nn.Module):
         return self.head(self.frozen(h))
 
 
-def _split(model: nn.Module) -> list[dict[str, Any]]:
-    """torch's Muon docstring split: hidden matrices to Muon, the rest (trainable) to AdamW."""
+def _split(model: nn.Module, matrix_class: type = torch.optim.Muon) -> list[dict[str, Any]]:
+    """torch's Muon docstring split: hidden matrices to Muon (or another class), the rest to AdamW."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     matrices = [p for n, p in named if p.ndim == 2 and n.startswith("blocks.")]
     rest = [p for n, p in named if not (p.ndim == 2 and n.startswith("blocks."))]
     return [
-        {"params": matrices, "optimizer_class": torch.optim.Muon, "lr": 0.02},
+        {"params": matrices, "optimizer_class": matrix_class, "lr": 0.02},
         {"params": rest, "lr": 1e-2},
     ]
 
@@ -82,12 +82,16 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
 
-def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool) -> dict[str, Any]:
+def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool, matrix_class: type) -> dict[str, Any]:
     model = _Gpt()
     storage = register_flat_storage(model)
     storage.unflatten()
     opt = ShardedOptimizer(
-        storage, torch.optim.AdamW, _split(model), whole_tensors=True, shard_gradients=shard_gradients
+        storage,
+        torch.optim.AdamW,
+        _split(model, matrix_class),
+        whole_tensors=True,
+        shard_gradients=shard_gradients,
     )
     schedule = _schedule(opt)
     held, norms = [], []
@@ -117,14 +121,14 @@ def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool) -> dict[s
     }
 
 
-def _reference(worlds: list[int], clip: bool) -> dict[str, Any]:
+def _reference(worlds: list[int], clip: bool, matrix_class: type = torch.optim.Muon) -> dict[str, Any]:
     """The plain model, the same optimizers, each step's gradient averaged as the collectives do it.
 
     Step ``i`` averages over ``worlds[i]`` ranks (a run resumed at another world size).
     """
     model = _Gpt()
-    groups = _split(model)
-    muon = torch.optim.Muon(groups[0]["params"], lr=groups[0]["lr"])
+    groups = _split(model, matrix_class)
+    muon = matrix_class(groups[0]["params"], lr=groups[0]["lr"])
     adamw = torch.optim.AdamW(groups[1]["params"], lr=groups[1]["lr"])
     schedules = [_schedule(muon), _schedule(adamw)]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -198,14 +202,20 @@ def _resume(rank: int, world: int, path: Any) -> dict[str, Any]:
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-SCENARIOS = {"zero2": (True, False), "zero1": (False, False), "zero2_clip": (True, True)}
+#: name -> (shard_gradients, clip, the matrices' optimizer)
+SCENARIOS = {
+    "zero2": (True, False, torch.optim.Muon),
+    "zero1": (False, False, torch.optim.Muon),
+    "zero2_clip": (True, True, torch.optim.Muon),
+    "adafactor_zero2": (True, False, torch.optim.Adafactor),
+}
 
 
 def _worker(rank: int, world: int, outdir: Any, saved_by: Any = None) -> None:
     torch.set_num_threads(1)
-    for name, (shard_gradients, clip) in SCENARIOS.items():
-        save_result(outdir, rank, name, _sharded(rank, world, shard_gradients, clip))
-        save_result(outdir, rank, f"{name}.reference", _reference([world] * STEPS, clip))
+    for name, (shard_gradients, clip, matrix_class) in SCENARIOS.items():
+        save_result(outdir, rank, name, _sharded(rank, world, shard_gradients, clip, matrix_class))
+        save_result(outdir, rank, f"{name}.reference", _reference([world] * STEPS, clip, matrix_class))
     if saved_by is None:
         _save(rank, world, outdir)
     else:
@@ -230,7 +240,7 @@ def launch(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_muon_and_adamw_by_group_train_as_one_process_on_every_rank(launch, scenario):
-    """Muon on the blocks' matrices, AdamW on the rest: every rank's model is the one-process model."""
+    """Muon (or Adafactor) on the blocks' matrices, AdamW on the rest: each rank ends as one process."""
     exact = launch["world"] == 2 and not SCENARIOS[scenario][1]
     for result, reference in zip(
         launch_results(launch, scenario), launch_results(launch, f"{scenario}.reference")
