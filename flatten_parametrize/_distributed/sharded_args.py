@@ -73,6 +73,19 @@ def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool 
         )
 
 
+def _items(flats: Sequence[Tensor], params: Any, kinds: str, example: str) -> list[Any]:
+    """Return ``params`` as a list of param-group items (``None``: one group of every flat parameter)."""
+    if params is None:
+        return [{"params": list(flats)}]
+    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(
+            f"ShardedOptimizer: params must be None or an iterable of {kinds} or of param-group dicts; "
+            f"got {type(params).__name__}; pass e.g. {example}"
+        )
+    items = list(params)
+    return [{"params": items}] if items and not isinstance(items[0], Mapping) else items
+
+
 class WholeTensorGroup(NamedTuple):
     """One param group of a ``ShardedOptimizer(whole_tensors=True)``, checked."""
 
@@ -98,16 +111,7 @@ def whole_tensor_groups(
         ValueError: if a tensor is not one of the storage's, or is listed twice.
     """
     flats = storage.flat_params
-    if params is None:
-        params = [{"params": list(flats)}]
-    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"ShardedOptimizer: params must be None or an iterable of tensors or of param-group dicts; got "
-            f"{type(params).__name__}; pass e.g. [{{'params': mats, 'optimizer_class': torch.optim.Muon}}]"
-        )
-    items = list(params)
-    if items and not isinstance(items[0], Mapping):
-        items = [{"params": items}]
+    items = _items(flats, params, "tensors", "[{'params': mats, 'optimizer_class': torch.optim.Muon}]")
     slots = {
         id(slot.param): (g, slot.index) for g, group in enumerate(storage.groups()) for slot in group.members
     }
@@ -156,16 +160,7 @@ def whole_tensor_groups(
 def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
     """Return ``params`` as param-group dicts over flat parameters of ``storage`` (checked)."""
     flats = storage.flat_params
-    if params is None:
-        params = [{"params": list(flats)}]
-    if isinstance(params, (Tensor, Mapping)) or not isinstance(params, Iterable):
-        raise TypeError(
-            f"ShardedOptimizer: params must be None or an iterable of flat parameters or of param-group "
-            f"dicts; got {type(params).__name__}; pass e.g. [{{'params': [storage['0']]}}]"
-        )
-    items = list(params)
-    if items and not isinstance(items[0], Mapping):
-        items = [{"params": items}]
+    items = _items(flats, params, "flat parameters", "[{'params': [storage['0']]}]")
     groups, seen = [], list(taken)
     for i, item in enumerate(items):
         if not isinstance(item, Mapping) or "params" not in item:

@@ -419,3 +419,23 @@ def test_a_state_dict_of_other_param_groups_is_refused_before_anything_changes(w
         opt.load_state_dict(single.state_dict())
     after = opt.state_dict()["state"]
     assert all(torch.equal(after[i][k], v) for i, entry in before.items() for k, v in entry.items())
+
+
+def test_params_that_are_not_tensors_or_groups_are_a_type_error(world1):
+    """A bare tensor (not a list of them) or a string is refused with what to pass."""
+    model, storage = _per_tensor_gpt()
+    with pytest.raises(TypeError, match=r"params must be None or an iterable of tensors.*got Parameter"):
+        ShardedOptimizer(storage, torch.optim.AdamW, model.embed.weight, whole_tensors=True)
+
+
+def test_a_cut_tensors_state_of_another_size_is_refused():
+    """Loading the part of a tensor cut between ranks needs element-wise state of the tensor's size."""
+    from flatten_parametrize._distributed.sharded_whole_state import _part
+
+    saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(10)}
+    part = _part(saved, offset=104, numel=4, span=(100, 10, (2, 5)), what="load")
+    assert torch.equal(part["exp_avg"], torch.ones(4)) and part["step"] == 3
+    with pytest.raises(
+        ValueError, match=r"state 'exp_avg' of a tensor of 12 elements cut between ranks has 10"
+    ):
+        _part(saved, offset=104, numel=4, span=(100, 12, (3, 4)), what="load")
