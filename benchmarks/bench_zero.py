@@ -58,6 +58,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import bench_zero_whole
 from benchmarks._memory import held_bytes
 from benchmarks._processes import (
     Worker,
@@ -451,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + f". ({time.perf_counter() - start:.0f} s)",
     ]
     print(table.render(), flush=True)
+    whole = bench_zero_whole.main(["--quick"] if config["quick"] else [])  # per-tensor optimizers
     return {
+        "whole_tensors": whole,
         "median_s": medians,
         "ratio": ratio,
         "counted_ratio": counted_ratio,

@@ -142,10 +142,14 @@ def test_ddp_benchmark_quick_run_times_every_contender_in_its_own_processes(tmp_
 
 
 def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_path: Path) -> None:
-    """`benchmarks/bench_zero.py --quick` times each contender in its own processes and prints the targets."""
+    """`benchmarks/bench_zero.py --quick` times each contender in its own processes and prints the targets.
+
+    Its second table is ``bench_zero_whole.py``'s: Muon + AdamW sharded by whole tensors and its anchors.
+    """
     done = _run(["benchmarks/bench_zero.py", "--quick", "--timeout", "240"], tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = [row for row in rows if row != "contender"]  # the two tables' headers
     assert rows == [
         "DDP + AdamW",
         "flat buckets + AdamW",
@@ -157,8 +161,16 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
         "ShardedOptimizer ZeRO-2",
         "ZeroRedundancyOptimizer + DDP",
         "FSDP2 fully_shard",
+        "(a) DDP, replicated",
+        "(b) DDP + ZeroRedundancyOptimizer",
+        "(c) layer-wise by hand (floor)",
+        "(d) whole tensors, ZeRO-1",
+        "(e) whole tensors, ZeRO-2",
+        "element-wise ZeRO-2, AdamW",
     ]
     assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
+    assert "Targets: (e) step <= 1.00x the faster of (b) and (c):" in done.stdout
+    assert "Whole-tensor cut: elements per rank" in done.stdout
     assert "per-tensor mode peak RSS <= 1.00x DDP:" in done.stdout
     assert "its floor (flat buffers by hand) peak RSS <= 1.00x DDP:" in done.stdout
 

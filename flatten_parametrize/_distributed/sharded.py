@@ -324,11 +324,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._building:
             super().add_param_group(param_group)
             return
-        if self._wholes is not None:
-            raise RuntimeError(
-                "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it "
-                "cannot add a param group later; build it with every param group"
-            )
+        _refuse_for_whole_tensors(self._wholes, "add_param_group()")
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
         (group,) = param_groups(storage, [param_group], taken=taken)
@@ -497,8 +493,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")
         """
-        if self._wholes is not None:
-            raise no_checkpoints("sharded_state_dict()")
+        _refuse_for_whole_tensors(self._wholes, "sharded_state_dict()")
         return _sharded_state.local_state_dict(self._state_view())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -522,8 +517,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(saved_world_size)]
             >>> opt.load_sharded_state_dict(parts)
         """
-        if self._wholes is not None:
-            raise no_checkpoints("load_sharded_state_dict()")
+        _refuse_for_whole_tensors(self._wholes, "load_sharded_state_dict()")
         _sharded_state.load_local_parts(self._state_view(), state_dict)
         self._link_state()
 
@@ -540,6 +534,18 @@ def init_state(opt: ShardedOptimizer) -> None:
     """
     if opt._local.init_state():
         opt._link_state()
+
+
+def _refuse_for_whole_tensors(wholes: Sequence[WholeTensorGroup] | None, what: str) -> None:
+    """Raise for what ``ShardedOptimizer(whole_tensors=True)`` cannot do (``wholes`` not ``None``)."""
+    if wholes is None:
+        return
+    if what == "add_param_group()":
+        raise RuntimeError(
+            "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it "
+            "cannot add a param group later; build it with every param group"
+        )
+    raise no_checkpoints(what)
 
 
 def _members_of(
