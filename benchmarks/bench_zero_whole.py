@@ -232,7 +232,11 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
         else:
             owner = _owners([*matrices, *rest])
             mine = [p for p in matrices if owner[id(p)] == rank], [p for p in rest if owner[id(p)] == rank]
-            opts = inner = [torch.optim.Muon(mine[0], lr=0.02), torch.optim.AdamW(mine[1], lr=3e-4)]
+            opts = inner = [  # torch's optimizers refuse an empty list: a rank may own no tensor of a kind
+                cls(params, lr=lr)
+                for cls, params, lr in ((torch.optim.Muon, mine[0], 0.02), (torch.optim.AdamW, mine[1], 3e-4))
+                if params
+            ]
             every = [*matrices, *rest]
 
             def broadcast_from_owners() -> None:
