@@ -26,15 +26,18 @@ This module is the ``torch.optim.Optimizer`` API and the wiring; each concern
 is an object in its own module, which the others reach only through it:
 
 * ``sharded_partition.py``: who owns which slice (``SliceOwnership``, behind
-  the ``Partition`` protocol; ``shard.py``: one rank's slice of one flat
-  parameter);
+  the ``Partition`` protocol; ``TensorOwnership`` for ``whole_tensors=True``;
+  ``shard.py``: one rank's slice of one flat parameter, ``TensorShard`` its
+  range of whole tensors);
 * ``sharded_collectives.py``: every collective over the process group;
 * ``sharded_reducer.py``: the gradient path during backward (hooks, buckets,
   the engine callback);
 * ``sharded_local.py``: the inner optimizer over the slices (step, state
-  creation, gradient clipping);
+  creation, gradient clipping), and the inner optimizers by class over whole
+  tensors (``WholeTensorStep``);
 * ``sharded_state.py``: the state-dict conversion, which reads a
-  ``StateView`` of the parts above;
+  ``StateView`` of the parts above; ``sharded_whole_state.py`` the one of
+  ``whole_tensors=True`` (the plain model's per-tensor format);
 * ``sharded_member.py``: the optimizer's feature on the core (lifecycle,
   flat-gradient hook, sync claim);
 * ``sharded_args.py``: the argument checks.

@@ -7,11 +7,12 @@ conversion (``sharded_state.py``) read only what it says: for each flat
 parameter, the :class:`Shard` with each rank's element range and this rank's
 parameter for the inner optimizer. :class:`SliceOwnership` is the rule of
 ZeRO-1/2: rank ``r`` owns the ``r``-th of ``W`` equal contiguous slices of
-every flat parameter. Another rule (e.g. whole tensors per rank) is another
-implementation of :class:`Partition`; what its shards must still give: the
-by-owner collectives need only each rank's range (``Shard.bounds``), while
-the one-buffer collectives (NCCL) and the per-rank state format also assume
-equal slices of ``Shard.chunk`` elements.
+every flat parameter. :class:`TensorOwnership` (``whole_tensors=True``)
+cuts each flat parameter at tensor boundaries into uneven ranges, one per
+rank; its shards say so (``Shard.even`` is false), and the collectives move
+them by owner (``Shard.bounds``) on every backend, since the one-buffer
+collectives (NCCL) and the per-rank state format assume equal slices of
+``Shard.chunk`` elements.
 """
 
 from __future__ import annotations
