@@ -148,10 +148,7 @@ class LeafGrads:
         if all(grad is None for grad in grads):
             return None
         pending = self._pending()
-        current: Tensor | None = BASE_GRAD.__get__(flat)
-        if current is None:
-            current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-            BASE_GRAD.__set__(flat, current)
+        current = _flat_grad(flat, contiguous=False)
         regions = self._regions_of(current)
         zeros: list[Tensor] = []
         targets: list[Tensor] = []
@@ -223,11 +220,7 @@ class LeafGrads:
                 rest.append((where, grad))
         with torch.no_grad():
             if direct and flat is not None:
-                current: Tensor | None = BASE_GRAD.__get__(flat)
-                if current is None or not current.is_contiguous():
-                    current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-                    BASE_GRAD.__set__(flat, current)
-                regions = self._regions_of(current)
+                regions = self._regions_of(_flat_grad(flat, contiguous=True))
                 targets = [regions[position] for _, position, _ in direct]
                 torch._foreach_copy_(targets, [grad for _, _, grad in direct])
                 ref = self._claims.get(task)
@@ -288,6 +281,15 @@ class LeafGrads:
 
 
 _NONE: set[int] = set()
+
+
+def _flat_grad(flat: Tensor, contiguous: bool) -> Tensor:
+    """Return ``flat``'s own gradient, zeros first if it has none (or, with ``contiguous``, a strided one)."""
+    current: Tensor | None = BASE_GRAD.__get__(flat)
+    if current is None or (contiguous and not current.is_contiguous()):
+        current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+        BASE_GRAD.__set__(flat, current)
+    return current
 
 
 class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can point at

@@ -106,13 +106,17 @@ class SliceOwnership:
             flats: the ones to slice (those that do not require grad get no slice).
         """
         new = [
-            Shard(g, flat, self.rank, self.world)
+            self._shard(g, flat)
             for g, flat in enumerate(flat_params)
             if flat.requires_grad and any(flat is f for f in flats)
         ]
         self._shards = sorted(self._shards + new, key=lambda s: s.g)
         by_flat = {id(s.flat): s for s in new}
         return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
+
+    def _shard(self, g: int, flat: Tensor) -> Shard:
+        """Return this rank's part of flat parameter ``g``: its ``r``-th equal slice."""
+        return Shard(g, flat, self.rank, self.world)
 
     def bind(self) -> None:
         """Point every slice at its flat buffer's current memory (or refresh its padded copy)."""
@@ -158,26 +162,19 @@ class TensorOwnership(SliceOwnership):
         super().__init__(world, rank)
         self._members = members
 
-    def add(self, flat_params: Sequence[Tensor], flats: Sequence[Tensor]) -> list[Tensor]:
-        """Cut each trainable flat parameter of ``flats`` at whole tensors; return this rank's ranges."""
-        new: list[Shard] = []
-        for g, flat in enumerate(flat_params):
-            if not (flat.requires_grad and any(flat is f for f in flats)):
-                continue
-            members = self._members(g)
-            cuts = cut_whole_tensors(flat.numel(), members, self.world)
-            lo, hi = cuts[self.rank], cuts[self.rank + 1]
-            pieces, spans = [], {}
-            for index, offset, numel, shape, _ in members:
-                start, stop = max(offset, lo), min(offset + numel, hi)
-                if stop > start:
-                    whole = start == offset and stop == offset + numel
-                    pieces.append((index, start, stop - start, shape if whole else (stop - start,)))
-                    spans[index] = (offset, numel, shape)
-            new.append(TensorShard(g, flat, self.rank, cuts, pieces, spans))
-        self._shards = sorted(self._shards + new, key=lambda s: s.g)
-        by_flat = {id(s.flat): s for s in new}
-        return [by_flat[id(f)].param for f in flats if id(f) in by_flat]
+    def _shard(self, g: int, flat: Tensor) -> Shard:
+        """Return this rank's range of flat parameter ``g``, cut at whole tensors, and its pieces."""
+        members = self._members(g)
+        cuts = cut_whole_tensors(flat.numel(), members, self.world)
+        lo, hi = cuts[self.rank], cuts[self.rank + 1]
+        pieces, spans = [], {}
+        for index, offset, numel, shape, _ in members:
+            start, stop = max(offset, lo), min(offset + numel, hi)
+            if stop > start:
+                whole = start == offset and stop == offset + numel
+                pieces.append((index, start, stop - start, shape if whole else (stop - start,)))
+                spans[index] = (offset, numel, shape)
+        return TensorShard(g, flat, self.rank, cuts, pieces, spans)
 
 
 def cut_whole_tensors(numel: int, members: Sequence[Member], world: int) -> list[int]:

@@ -83,17 +83,7 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
 
 
 def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool, matrix_class: type) -> dict[str, Any]:
-    model = _Gpt()
-    storage = register_flat_storage(model)
-    storage.unflatten()
-    opt = ShardedOptimizer(
-        storage,
-        torch.optim.AdamW,
-        _split(model, matrix_class),
-        whole_tensors=True,
-        shard_gradients=shard_gradients,
-    )
-    schedule = _schedule(opt)
+    model, opt, schedule = _built(shard_gradients, matrix_class)
     held, norms = [], []
     for step in range(STEPS):
         opt.zero_grad()
@@ -168,12 +158,17 @@ def _train(model: nn.Module, opt: Any, schedule: Any, rank: int, steps: range) -
         schedule.step()
 
 
-def _built(shard_gradients: bool = True) -> tuple[nn.Module, Any, Any]:
+def _built(shard_gradients: bool = True, matrix_class: type = torch.optim.Muon) -> tuple[nn.Module, Any, Any]:
+    """The model in per-tensor mode, its whole-tensor optimizer (the matrices' class + AdamW), a schedule."""
     model = _Gpt()
     storage = register_flat_storage(model)
     storage.unflatten()
     opt = ShardedOptimizer(
-        storage, torch.optim.AdamW, _split(model), whole_tensors=True, shard_gradients=shard_gradients
+        storage,
+        torch.optim.AdamW,
+        _split(model, matrix_class),
+        whole_tensors=True,
+        shard_gradients=shard_gradients,
     )
     return model, opt, _schedule(opt)
 
