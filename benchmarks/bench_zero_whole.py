@@ -20,8 +20,9 @@ local compute alone (their ``step`` calls, no collective), the optimizer state a
 backward, the bytes each rank gives to collectives per step (counted by wrapping
 ``torch.distributed``'s functions; DDP's all-reduce runs in C++ and is counted as the gradient bytes
 it reduces), the peak resident set; the load balance (largest over mean elements and Newton-Schulz
-flops, ``m * n * min(m, n)`` per matrix, per rank) and the padding of the whole-tensor cut (none: the
-ranges are uneven). The last row, ``element-wise ZeRO-2, AdamW``: the bytes ``ShardedOptimizer`` with
+flops, ``m * n * min(m, n)`` per matrix, per rank) and the padding of the whole-tensor cut (none in the
+layout: the ranges are uneven; NCCL's one-buffer path pads each to the largest, which is reported).
+The last row, ``element-wise ZeRO-2, AdamW``: the bytes ``ShardedOptimizer`` with
 AdamW everywhere moves on the same model (the yardstick of the bytes target).
 
 Usage: ``python benchmarks/bench_zero_whole.py [--quick]``; ``python -m benchmarks --only zero`` runs it
@@ -340,7 +341,8 @@ def _balance(shards: Sequence[Any], storage: Any) -> dict[str, Any]:
     return {
         "elements": elements,
         "flops": flops,
-        "padding": 0,
+        # NCCL's one-buffer path stages each owner's range in a chunk of the largest range's size
+        "padding": sum(s.chunk * (len(s.cuts) - 1) - s.numel for s in shards),
         "flat_numel": sum(f.numel() for f in storage.flat_params if f.requires_grad),
     }
 
@@ -387,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     moved[ELEMENTWISE] = 2 * flat_numel * 4  # reduce to the owners + broadcast from them, by owner (gloo)
     elements = [m["elements"] for m in ready[WHOLE2]]
     flops = [m["flops"] for m in ready[WHOLE2]]
+    padding, numel = ready[WHOLE2][0]["padding"], flat_numel
     base = REPLICATED
     table = Table(
         f"Muon on the blocks' matrices + AdamW on the rest, 2 gloo ranks ({config['threads']} torch thread "
@@ -437,7 +440,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "in one step (DDP's C++ all-reduce counted as its gradient bytes).",
         f"Whole-tensor cut: elements per rank {elements} (largest / mean "
         f"{max(elements) / statistics.mean(elements):.3f}), Newton-Schulz flops per rank {flops} (largest / "
-        f"mean {max(flops) / max(statistics.mean(flops), 1):.3f}), padding 0 elements.",
+        f"mean {max(flops) / max(statistics.mean(flops), 1):.3f}); no padding in the layout (gloo moves the "
+        f"uneven ranges by owner); NCCL's one-buffer path pads them to equal chunks: {padding} elements "
+        f"over the buckets ({padding / max(numel, 1):.2e} of the {numel} elements).",
         f"Targets: {verdicts}"
         + (" (--quick: sizes are tiny, the verdicts mean nothing)" if config["quick"] else "")
         + f". ({time.perf_counter() - start:.0f} s)",

@@ -18,6 +18,7 @@ from torch import Tensor
 __all__ = [
     "current_node",
     "graph_task_id",
+    "has_post_accumulate_grad_hooks",
     "queue_callback",
     "run_post_accumulate_grad_hooks",
     "will_execute",
@@ -36,6 +37,11 @@ def current_node() -> Any:
     """Return the autograd node this thread is running (``None`` outside backward)."""
     current = getattr(torch._C, "_current_autograd_node", None)
     return None if current is None else current()
+
+
+def has_post_accumulate_grad_hooks(tensor: Tensor) -> bool:
+    """Return whether ``tensor`` has post-accumulate-grad hooks (something waits for its gradient)."""
+    return bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
 def run_post_accumulate_grad_hooks(tensor: Tensor) -> None:

@@ -13,15 +13,20 @@ gradient owner (``grad.GroupGrad``):
 * once a leaf's ``.grad`` is its slot's view of the flat gradient (after the
   first backward, and after ``zero_grad(set_to_none=False)``), autograd
   accumulates into it in place;
-* each leaf has a post-accumulate-grad hook that does one thing: at the first
-  gradient of a backward it has the end of that backward call
-  :meth:`LeafGrads.end`. There, in one pass over the leaves, a gradient that
-  autograd put elsewhere (after ``zero_grad()``, whose default sets it to
-  ``None``) is copied into its slot, which becomes the leaf's ``.grad``; the
-  slots of leaves without a gradient are zeroed (the flat gradient is then
-  the plain model's gradients, zeros where it has none); and the flat
-  parameter's own post-accumulate-grad hooks run, as they would in flat mode
-  (the storage's grad sync reduces the flat gradient there);
+* each leaf has a post-accumulate-grad hook: at the first gradient of a
+  backward it has the end of that backward call :meth:`LeafGrads.end`. There,
+  in one pass over the leaves, a gradient that autograd put elsewhere (after
+  ``zero_grad()``, whose default sets it to ``None``) is copied into its
+  slot, which becomes the leaf's ``.grad``; the slots of leaves without a
+  gradient are zeroed (the flat gradient is then the plain model's
+  gradients, zeros where it has none); and the flat parameter's own
+  post-accumulate-grad hooks run, as they would in flat mode (grad sync and
+  ``ShardedOptimizer`` reduce the flat gradient there). When the flat
+  parameter has such hooks, the first gradient also counts the leaves this
+  backward will accumulate, and the last of them runs that end at once,
+  during backward, so that the group's reduction overlaps the rest of
+  backward as a flat parameter's does (a leaf whose gradient never comes,
+  e.g. a node that returned none, leaves it to the backward's end);
 * reading the flat gradient does the same pass (:meth:`LeafGrads.reconcile`):
   it is ``None`` while every leaf's gradient is ``None``; otherwise a gradient
   assigned to a leaf (``p.grad = t``) is copied into its slot first and the
@@ -47,7 +52,13 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from .engine import graph_task_id, queue_callback, run_post_accumulate_grad_hooks, will_execute
+from .engine import (
+    graph_task_id,
+    has_post_accumulate_grad_hooks,
+    queue_callback,
+    run_post_accumulate_grad_hooks,
+    will_execute,
+)
 
 __all__ = ["BASE_GRAD", "LeafGrads"]
 
@@ -69,8 +80,10 @@ class LeafGrads:
         "__weakref__",
         "_accumulators",
         "_claims",
+        "_ended",
         "_flat",
         "_handles",
+        "_left",
         "_positions",
         "_regions",
         "_split",
@@ -90,6 +103,10 @@ class LeafGrads:
         self._regions: tuple[Tensor, list[Tensor]] | None = None
         #: The backward whose end :meth:`end` is queued for (``-1``: none).
         self.task = -1
+        #: The leaves of that backward still to accumulate before :meth:`end` may run early (0: do not
+        #: count), and whether it already ran for that backward.
+        self._left = 0
+        self._ended = False
         self._handles: list[RemovableHandle] = []
         #: Member index -> position in ``leaves``.
         self._positions = {index: position for position, index in enumerate(self.indices)}
@@ -125,16 +142,41 @@ class LeafGrads:
         self._regions = None
         self._claims.clear()
         self.task = -1
+        self._left = 0
+        self._ended = False
 
     # -------------------------------------------------------------- backward
-    def landed(self) -> None:
-        """The first leaf gradient of a backward landed: have its end run :meth:`end` once."""
-        self.task = graph_task_id()
-        queue_callback(self.end)
+    def landed(self, task: int) -> None:
+        """A leaf gradient of backward ``task`` landed: run :meth:`end` after the last, or when it ends."""
+        if self.task != task:
+            self.task = task
+            self._ended = False
+            self._left = self._expected()
+            queue_callback(self._backward_end)
+        if self._left:
+            self._left -= 1
+            if not self._left:
+                self._ended = True
+                self.end()
+
+    def _expected(self) -> int:
+        """Return how many leaves this backward accumulates (0 if nothing waits for the flat gradient)."""
+        flat = self._flat()
+        if flat is None or not has_post_accumulate_grad_hooks(flat):
+            return 0
+        try:
+            return sum(will_execute(self._accumulator(position)) for position in range(len(self.leaves)))
+        except RuntimeError:  # not a backward that accumulates: leave it to the end
+            return 0
+
+    def _backward_end(self) -> None:
+        """Engine callback: run :meth:`end` unless the last leaf already did."""
+        ended, self._ended, self._left, self.task = self._ended, False, 0, -1
+        if not ended:
+            self.end()
 
     def end(self) -> None:
-        """Engine callback: land the leaves' gradients in the flat gradient, then run the flat's hooks."""
-        self.task = -1
+        """Land the leaves' gradients in the flat gradient, then run the flat's hooks."""
         flat = self._flat()
         if flat is None or not self._handles:
             return
@@ -251,6 +293,13 @@ class LeafGrads:
         """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
         if torch.is_grad_enabled():  # create_graph: the gradient has a graph of its own
             return False
+        try:
+            return bool(will_execute(self._accumulator(position)))
+        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
+            return False
+
+    def _accumulator(self, position: int) -> Any:
+        """Return leaf ``position``'s gradient accumulator (the autograd node that sets its ``.grad``)."""
         node = self._accumulators.get(position)
         if node is None:
             leaf = self.leaves[position]
@@ -259,10 +308,7 @@ class LeafGrads:
             assert view_node is not None  # a leaf that requires grad
             node = view_node.next_functions[0][0]
             self._accumulators[position] = node
-        try:
-            return bool(will_execute(node))
-        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
-            return False
+        return node
 
     def point_at(self, value: Tensor | None) -> None:
         """Make every leaf's gradient its view of ``value``, the new flat gradient (``None``: ``None``)."""
@@ -324,11 +370,11 @@ def _same_elements(grad: Tensor, region: Tensor) -> bool:
 
 
 def _landing(ref: weakref.ref[LeafGrads]) -> Callable[[Tensor], None]:
-    """Return the hook of a group's leaves: the first gradient of a backward queues :meth:`LeafGrads.end`."""
+    """Return the hook of a group's leaves: each gradient that lands counts towards :meth:`LeafGrads.end`."""
 
     def hook(leaf: Tensor) -> None:
         owner = ref()
-        if owner is not None and owner.task != graph_task_id():
-            owner.landed()
+        if owner is not None:
+            owner.landed(graph_task_id())
 
     return hook

@@ -57,6 +57,7 @@ from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
 from .._core.on_import import is_ours, wrapper_of
 from .._state.attach_optim import own_format
+from .dcp_whole import is_whole, missing_state, state_by_name, state_for, tensor_names
 from .sharded import ShardedOptimizer, init_state
 
 __all__ = ["WRAPPED", "patch"]
@@ -71,7 +72,7 @@ WRAPPED = (
     "_get_fqns",
 )
 #: What the wrapped functions use besides.
-_USED = ("_flatten_optim_state_dict",)
+_USED = ("_flatten_optim_state_dict", "_maybe_full_or_cpu_state_dict")
 
 _raw = threading.local()  # depth of DCP calls that must see the flat names (our own, nested)
 
@@ -238,11 +239,7 @@ def _to_flat(osd: Any, flats: list[_Flat], strict: bool) -> Any:
             continue
         missing = [name for name in names if name not in found]
         if missing and strict:
-            raise RuntimeError(
-                f"Missing optimizer state for parameter '{missing[0]}' in checkpoint. The parameter "
-                "requires gradients but has no saved optimizer state. To load anyway, use "
-                "StateDictOptions(strict=False)."
-            )
+            raise missing_state(missing[0])
         keys: list[str] = []
         for entry in found.values():
             keys += [k for k in entry if k not in keys]
@@ -365,18 +362,28 @@ def _init_optim_state(original: Callable[..., Any], dsd: ModuleType) -> Callable
 
 def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
     def wrapper(model: nn.Module, optimizers: tuple[Any, ...], info: Any) -> Any:
-        flats = _flats(dsd, model) if _converting() and info.handle_optim else []
-        if not flats:
+        if not info.handle_optim:
+            return original(model, optimizers, info)
+        flats = _flats(dsd, model) if _converting() else []
+        wholes = [optim for optim in optimizers if is_whole(optim)]
+        if not flats and not wholes:
             with _flat_names(optimizers):
                 return original(model, optimizers, info)
+        rest = tuple(optim for optim in optimizers if not is_whole(optim))
         flatten = info.flatten_optimizer_state_dict
         info.flatten_optimizer_state_dict = False
         try:
-            with _flat_names(optimizers):
-                osd = original(model, optimizers, info)
+            with _flat_names(rest):
+                osd = _to_plain(original(model, rest, info), flats)
         finally:
             info.flatten_optimizer_state_dict = flatten
-        osd = _to_plain(osd, flats)
+        for optim in wholes:  # keyed by the plain names already
+            own = dsd._maybe_full_or_cpu_state_dict(state_by_name(dsd, model, optim), info)
+            if own:
+                osd = {
+                    "state": {**osd.get("state", {}), **own["state"]},
+                    "param_groups": [*osd.get("param_groups", []), *own["param_groups"]],
+                }
         if flatten and isinstance(osd, Mapping) and "state" in osd:
             osd = dsd._flatten_optim_state_dict(osd)
         return osd
@@ -387,25 +394,47 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
 def _load_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
     def wrapper(model: nn.Module, optimizers: tuple[Any, ...], state_dict: Any, info: Any) -> None:
         flats = _flats(dsd, model) if _converting() and info.handle_optim else []
+        wholes = [optim for optim in optimizers if is_whole(optim)] if info.handle_optim else []
+        rest = tuple(optim for optim in optimizers if optim not in wholes)
+        parts: list[Any] = [None] * len(wholes)
         error: Exception | None = None
-        if flats and state_dict:
+        if (flats or wholes) and state_dict:
             try:
                 if "state" not in state_dict:
                     names = [m[0] for f in flats for m in f.members]
                     names += [n for n, _ in model.named_parameters()]
                     names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
+                    names += [n for optim in wholes for g in tensor_names(dsd, model, optim) for n in g]
                     state_dict = _nest(state_dict, names)
-                state_dict = _to_flat(state_dict, flats, info.strict)
+                parts = [state_for(dsd, model, optim, state_dict, info.strict) for optim in wholes]
+                if flats and rest:
+                    state_dict = _to_flat(state_dict, flats, info.strict)
             except (ValueError, RuntimeError) as caught:
                 error = caught
-        if flats and info.broadcast_from_rank0:
+        if (flats or wholes) and info.broadcast_from_rank0:
             _agree(error)  # the other ranks would wait in torch's broadcast of rank 0's state
         elif error is not None:
             raise error
-        with _flat_names(optimizers):
-            original(model, optimizers, state_dict, info)
+        for optim, part in zip(wholes, parts):
+            if info.broadcast_from_rank0:
+                part = _from_rank0(part)
+            if part is not None:
+                optim.load_state_dict(part)
+        with _flat_names(rest):
+            original(model, rest, state_dict, info)
 
     return wrapper
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Return rank 0's ``obj`` on every rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _agree(error: Exception | None) -> None:

@@ -151,7 +151,11 @@ class TensorShard(Shard):
         self.version = flat._version
 
     def set_grad(self, values: Tensor, accumulate: bool) -> None:
-        """Make ``values`` (this rank's range of the gradient) the range's gradient; the pieces view it."""
+        """Make ``values`` (this rank's range of the gradient, padded or not) the range's gradient.
+
+        The pieces view it.
+        """
+        values = values[: self.hi - self.lo]
         grad = self.param.grad
         if accumulate and grad is not None:
             grad.add_(values)

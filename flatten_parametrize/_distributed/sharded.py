@@ -62,6 +62,7 @@ from .sharded_args import (
     ALLOWED_OPTIMIZERS,
     WholeTensorGroup,
     check_class,
+    check_per_tensor,
     check_same_layout,
     elementwise_class,
     hyperparameters,
@@ -539,6 +540,17 @@ def init_state(opt: ShardedOptimizer) -> None:
         opt._link_state()
 
 
+def whole_tensor_members(opt: ShardedOptimizer) -> tuple[Coordinator, list[list[tuple[int, int]]]] | None:
+    """Return the storage's core and each param group's ``(flat index, member index)`` tensors.
+
+    For ``ShardedOptimizer(whole_tensors=True)``, in the order of its gathered
+    state; ``None`` for one that shards slices.
+    """
+    if opt._wholes is None:
+        return None
+    return opt._storage(), [list(whole.members) for whole in opt._wholes]
+
+
 def _refuse_for_whole_tensors(wholes: Sequence[WholeTensorGroup] | None, what: str) -> None:
     """Raise for what ``ShardedOptimizer(whole_tensors=True)`` cannot do (``wholes`` not ``None``)."""
     if wholes is None:
@@ -595,9 +607,14 @@ def _whole_tensor_step(
     outer = []
     for i, whole in enumerate(wholes):
         kwargs = optimizer_kwargs if whole.optimizer_class is optimizer_class else {}
-        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs).param_groups[0]  # the class's defaults
+        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs)  # the class's defaults
+        check_per_tensor(probe)
         outer.append(
-            {**hyperparameters(probe), **hyperparameters(whole.group), "params": whole.group["params"]}
+            {
+                **hyperparameters(probe.param_groups[0]),
+                **hyperparameters(whole.group),
+                "params": whole.group["params"],
+            }
         )
         pieces = [
             shards[g].pieces[index]  # type: ignore[attr-defined]  # TensorShard
@@ -608,7 +625,10 @@ def _whole_tensor_step(
             by_class.setdefault(whole.optimizer_class, []).append(({**outer[i], "params": pieces}, i))
     optimizers, links = [], []
     for o, (cls, items) in enumerate(by_class.items()):
-        optimizers.append(cls([inner for inner, _ in items]))  # type: ignore[call-arg]  # groups hold all
+        # the groups hold every hyperparameter; the keyword arguments also reach what a class reads from
+        # its defaults only (timm's Lamb its max_grad_norm)
+        kwargs = optimizer_kwargs if cls is optimizer_class else {}
+        optimizers.append(cls([inner for inner, _ in items], **kwargs))
         links += [(o, j, i) for j, (_, i) in enumerate(items)]
     local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
     return outer, local

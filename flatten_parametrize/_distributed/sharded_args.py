@@ -41,6 +41,12 @@ ALLOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 #: Optimizers that are never element-wise: refused even with ``allow_unlisted=True``.
 _NEVER = (torch.optim.LBFGS, torch.optim.SparseAdam)
+#: Optimizers whose math reads across their tensors while a setting is on: (module, class name) ->
+#: (the setting, its value that turns it off). Both Lambs scale every gradient by the norm of all of them.
+_ACROSS_WHEN_ON = {
+    ("timm.optim.lamb", "Lamb"): ("max_grad_norm", None),
+    ("pytorch_optimizer.optimizer.lamb", "Lamb"): ("pre_norm", False),
+}
 
 
 def elementwise_class(optimizer_class: type, allow_unlisted: bool) -> bool:
@@ -70,6 +76,27 @@ def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool 
             f"only: {allowed}; got {optimizer_class.__qualname__}; pass whole_tensors=True (per-tensor "
             "mode) to give each rank whole tensors, or allow_unlisted=True if you know that its update of "
             "each element uses only that element's gradient and state"
+        )
+
+
+def check_per_tensor(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer set to read across its tensors (a global gradient norm inside, as Lamb's).
+
+    Raises:
+        ValueError: naming the setting and the value that turns it off.
+    """
+    cls = type(optimizer)
+    rule = _ACROSS_WHEN_ON.get((cls.__module__, cls.__name__))
+    if rule is None:
+        return
+    setting, off = rule
+    value = optimizer.defaults.get(setting, getattr(optimizer, setting, off))
+    if value != off:
+        raise ValueError(
+            "ShardedOptimizer(whole_tensors=True) steps each rank's own tensors, so their optimizer must not "
+            f"read across tensors; {cls.__module__}.{cls.__name__} with {setting}={value!r} scales every "
+            f"gradient by the norm of all its tensors, which no rank holds; pass {setting}={off!r} and call "
+            "opt.clip_grad_norm_(max_norm), which clips by the norm over every rank"
         )
 
 

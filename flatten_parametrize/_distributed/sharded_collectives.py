@@ -13,7 +13,11 @@ gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
 2.1-2.8x faster than an all-reduce of a zero-padded buffer; a reduce to each
 owner reduces gradients 1.8-3.9x faster than ``reduce_scatter_tensor``. NCCL
 has in-place ``all_gather`` / ``reduce_scatter`` over one padded buffer, which
-is what it is built for.
+is what it is built for. The uneven ranges of whole tensors take that path on
+NCCL too: each owner's range is copied to a place of ``chunk`` elements (the
+largest range) of one padded buffer, so a bucket is still one
+``reduce_scatter`` and one ``all_gather``, at the cost of one copy of the
+bucket each way.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Collectives:
         in one padded buffer, it is the returned slice-sized tensor.
         """
         pg, world = self.group, self.world
-        if self.by_owner or not shard.even:  # uneven ranges (whole tensors) move by owner on any backend
+        if self.by_owner:
             works = []
             for owner in range(world):
                 lo, hi = shard.bounds(owner)
@@ -106,27 +110,45 @@ class Collectives:
                     works.append(dist.reduce(grad[lo:hi], self.owners[owner], group=pg, async_op=True))
             return works, grad
         padded = grad
-        if grad.numel() != shard.chunk * world:
+        if not shard.even:  # whole tensors: each owner's range at the start of its chunk
+            padded = self._spread(shard, grad)
+        elif grad.numel() != shard.chunk * world:
             padded = torch.cat([grad, grad.new_zeros(shard.chunk * world - grad.numel())])
         out = grad.new_empty(shard.chunk)
         return [reduce_scatter(out, padded, group=pg, async_op=True)], out
+
+    def _spread(self, shard: Shard, values: Tensor) -> Tensor:
+        """Return a new buffer of ``chunk`` elements per rank, each owner's range of ``values`` first."""
+        chunk = shard.chunk
+        out = values.new_zeros(chunk * self.world)
+        for owner in range(self.world):
+            lo, hi = shard.bounds(owner)
+            out[owner * chunk : owner * chunk + hi - lo].copy_(values[lo:hi])
+        return out
 
     def gather_slices(self, shards: Sequence[Shard]) -> None:
         """Copy every owner's updated slice into every rank's flat buffers."""
         world, pg = self.world, self.group
         works, padded = [], []
+        spread: list[tuple[Shard, Tensor, Tensor]] = []
         with torch.no_grad():
             for shard in shards:
                 flat = shard.flat.detach()
                 if shard.shadow:
                     flat[shard.lo : shard.hi].copy_(shard.param[: shard.hi - shard.lo])
-                if self.by_owner or not shard.even:
+                if self.by_owner:
                     for owner in range(world):
                         lo, hi = shard.bounds(owner)
                         if hi > lo:
                             works.append(
                                 dist.broadcast(flat[lo:hi], self.owners[owner], group=pg, async_op=True)
                             )
+                elif not shard.even:  # whole tensors: this rank's range padded to a chunk
+                    mine = flat.new_zeros(shard.chunk)
+                    mine[: shard.hi - shard.lo].copy_(flat[shard.lo : shard.hi])
+                    out = flat.new_empty(shard.chunk * world)
+                    works.append(all_gather(out, mine, group=pg, async_op=True))
+                    spread.append((shard, flat, out))
                 elif shard.numel == shard.chunk * world:  # in place: the input is the output's slice
                     works.append(all_gather(flat, shard.param, group=pg, async_op=True))
                 else:
@@ -137,6 +159,10 @@ class Collectives:
                 work.wait()
             for flat, out in padded:
                 flat.copy_(out[: flat.numel()])
+            for shard, flat, out in spread:
+                for owner in range(world):
+                    lo, hi = shard.bounds(owner)
+                    flat[lo:hi].copy_(out[owner * shard.chunk : owner * shard.chunk + hi - lo])
             for shard in shards:
                 if shard.shadow:
                     shard.param[shard.hi - shard.lo :].zero_()  # the padding stays zero

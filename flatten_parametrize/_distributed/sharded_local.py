@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .._core.grad import set_grad
 from .sharded_args import hyperparameters
 from .sharded_collectives import Collectives
 from .sharded_partition import Partition
@@ -57,8 +56,8 @@ class LocalStep:
 
         What ``torch.distributed.checkpoint`` does to a fresh optimizer before
         it loads one (``_init_optim_state``), for the inner optimizer over the
-        slices; a no-op once there is state or a slice has a gradient. No
-        collective.
+        slices (or the inner optimizers over the whole tensors); a no-op once
+        there is state or a slice has a gradient. No collective.
 
         Returns:
             Whether it created the state.
@@ -68,7 +67,7 @@ class LocalStep:
         if inner.state or any(s.param.grad is not None for s in shards):
             return False
         for shard in shards:
-            set_grad(shard.param, torch.zeros_like(shard.param))
+            shard.set_grad(torch.zeros_like(shard.param), accumulate=False)
         lrs = []
         for group in inner.param_groups:
             lrs.append(group.get("lr"))
@@ -80,7 +79,7 @@ class LocalStep:
             for group, lr in zip(inner.param_groups, lrs):
                 if lr is not None:
                     group["lr"] = lr
-            inner.zero_grad(set_to_none=True)
+            self.zero_grad(set_to_none=True)
         for shard in shards:
             if shard.shadow:
                 shard.bind()  # the padded copy holds the flat buffer's values again
@@ -213,15 +212,12 @@ class WholeTensorStep(LocalStep):
         """Return ``{this rank's tensor: its state}`` for the tensors with state."""
         return dict(self.optimizer.state)
 
-    def init_state(self) -> bool:
-        """Refuse: DCP does not take the state of whole tensors yet."""
-        raise no_checkpoints("torch.distributed.checkpoint")
-
 
 def no_checkpoints(what: str) -> RuntimeError:
     """Return the error of checkpoint call ``what`` on ``ShardedOptimizer(whole_tensors=True)``."""
     return RuntimeError(
         f"ShardedOptimizer(whole_tensors=True) has no per-rank checkpoint format yet, so {what} cannot save "
         "or load its state; use opt.state_dict() and opt.load_state_dict() (the plain model's per-tensor "
-        "format, gathered on every rank, loadable at any world size)"
+        "format, gathered on every rank, loadable at any world size), or torch.distributed.checkpoint's "
+        "get_state_dict / set_state_dict"
     )

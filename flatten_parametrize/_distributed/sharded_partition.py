@@ -9,10 +9,10 @@ parameter for the inner optimizer. :class:`SliceOwnership` is the rule of
 ZeRO-1/2: rank ``r`` owns the ``r``-th of ``W`` equal contiguous slices of
 every flat parameter. :class:`TensorOwnership` (``whole_tensors=True``)
 cuts each flat parameter at tensor boundaries into uneven ranges, one per
-rank; its shards say so (``Shard.even`` is false), and the collectives move
-them by owner (``Shard.bounds``) on every backend, since the one-buffer
-collectives (NCCL) and the per-rank state format assume equal slices of
-``Shard.chunk`` elements.
+rank; its shards say so (``Shard.even`` is false): the collectives move
+them by owner (``Shard.bounds``), or on NCCL through one buffer padded to
+``Shard.chunk`` elements per rank; the per-rank state format, which assumes
+equal slices of the flat parameter, is not theirs.
 """
 
 from __future__ import annotations

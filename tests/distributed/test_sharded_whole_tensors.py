@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 from flatten_parametrize._distributed.sharded_partition import cut_whole_tensors
@@ -82,12 +85,26 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
 
 
-def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool, matrix_class: type) -> dict[str, Any]:
-    model, opt, schedule = _built(shard_gradients, matrix_class)
+def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
+    model, opt, schedule = _built(scenario.shard_gradients, scenario.matrix_class, scenario.bucket_bytes)
+    opt._comm.by_owner = not scenario.one_buffer
     held, norms = [], []
+    landed: list[int] = []  # leaves accumulated in this backward
+    started: list[int] = []  # at each bucket's reduction start: how many had landed
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: landed.append(1))
+    start = opt._reducer.start
+
+    def counting_start(shard: Any) -> Any:
+        started.append(len(landed))
+        return start(shard)
+
+    opt._reducer.start = counting_start
     for step in range(STEPS):
         opt.zero_grad()
         for micro in range(2):
+            landed.clear()
             with opt.no_sync() if micro == 0 else contextlib.nullcontext():
                 _loss(model, _batch(step, micro, rank)).backward()
         held.append(
@@ -98,7 +115,7 @@ def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool, matrix_cl
                 ),
             }
         )
-        if clip:
+        if scenario.clip:
             norms.append(opt.clip_grad_norm_(0.05))
         opt.step()
         schedule.step()
@@ -108,6 +125,8 @@ def _sharded(rank: int, world: int, shard_gradients: bool, clip: bool, matrix_cl
         "held": held,
         "norms": norms,
         "ranges": [(s.lo, s.hi) for s in opt._ownership.shards],
+        "started": started,
+        "leaves": sum(p.requires_grad for p in model.parameters()),
     }
 
 
@@ -158,10 +177,12 @@ def _train(model: nn.Module, opt: Any, schedule: Any, rank: int, steps: range) -
         schedule.step()
 
 
-def _built(shard_gradients: bool = True, matrix_class: type = torch.optim.Muon) -> tuple[nn.Module, Any, Any]:
+def _built(
+    shard_gradients: bool = True, matrix_class: type = torch.optim.Muon, bucket_bytes: int | None = None
+) -> tuple[nn.Module, Any, Any]:
     """The model in per-tensor mode, its whole-tensor optimizer (the matrices' class + AdamW), a schedule."""
     model = _Gpt()
-    storage = register_flat_storage(model)
+    storage = register_flat_storage(model, bucket_cap_mb=bucket_bytes and bucket_bytes / 2**20)
     storage.unflatten()
     opt = ShardedOptimizer(
         storage,
@@ -177,6 +198,7 @@ def _save(rank: int, world: int, outdir: Any) -> None:
     """Train 2 steps, gather the state on every rank; rank 0 writes model, optimizer and schedule."""
     model, opt, schedule = _built()
     _train(model, opt, schedule, rank, range(2))
+    _dcp_save(model, opt, schedule, outdir / "dcp2")
     state = opt.state_dict()
     if rank == 0:
         torch.save(
@@ -184,6 +206,26 @@ def _save(rank: int, world: int, outdir: Any) -> None:
             outdir / "checkpoint.pt",
         )
     save_result(outdir, rank, "saved", {"state": state})
+
+
+def _dcp_save(model: nn.Module, opt: Any, schedule: Any, path: Any) -> None:
+    """``dcp.save`` of ``get_state_dict(model, opt)`` and the schedule (collective)."""
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "schedule": schedule.state_dict()}, checkpoint_id=str(path))
+
+
+def _dcp_resume(path: Any, rank: int, step: int, save_to: Any = None) -> dict[str, Any]:
+    """A fresh setup ``dcp.load``s ``path`` (``set_state_dict``) and trains ``step`` here (then saves)."""
+    model, opt, schedule = _built()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "schedule": schedule.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    schedule.load_state_dict(state["schedule"])
+    _train(model, opt, schedule, rank, range(step, step + 1))
+    if save_to is not None:
+        _dcp_save(model, opt, schedule, save_to)
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def _resume(rank: int, world: int, path: Any) -> dict[str, Any]:
@@ -197,24 +239,40 @@ def _resume(rank: int, world: int, path: Any) -> dict[str, Any]:
     return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-#: name -> (shard_gradients, clip, the matrices' optimizer)
+class _Scenario(NamedTuple):
+    shard_gradients: bool
+    clip: bool = False
+    matrix_class: type = torch.optim.Muon
+    #: Bucket size in bytes (``None``: one bucket).
+    bucket_bytes: int | None = None
+    #: NCCL's path, run on gloo: one padded buffer per bucket (``reduce_scatter`` / ``all_gather``).
+    one_buffer: bool = False
+
+
 SCENARIOS = {
-    "zero2": (True, False, torch.optim.Muon),
-    "zero1": (False, False, torch.optim.Muon),
-    "zero2_clip": (True, True, torch.optim.Muon),
-    "adafactor_zero2": (True, False, torch.optim.Adafactor),
+    "zero2": _Scenario(True),
+    "zero1": _Scenario(False),
+    "zero2_clip": _Scenario(True, clip=True),
+    "adafactor_zero2": _Scenario(True, matrix_class=torch.optim.Adafactor),
+    "zero2_buckets": _Scenario(True, bucket_bytes=1200),
+    "zero1_buckets": _Scenario(False, bucket_bytes=1200),
+    "zero2_one_buffer": _Scenario(True, bucket_bytes=1200, one_buffer=True),
+    "zero1_one_buffer": _Scenario(False, bucket_bytes=1200, one_buffer=True),
 }
 
 
-def _worker(rank: int, world: int, outdir: Any, saved_by: Any = None) -> None:
+def _worker(rank: int, world: int, outdir: Any, saved_by: Any = None, dcp_from: Any = None) -> None:
     torch.set_num_threads(1)
-    for name, (shard_gradients, clip, matrix_class) in SCENARIOS.items():
-        save_result(outdir, rank, name, _sharded(rank, world, shard_gradients, clip, matrix_class))
-        save_result(outdir, rank, f"{name}.reference", _reference([world] * STEPS, clip, matrix_class))
+    for name, scenario in SCENARIOS.items():
+        save_result(outdir, rank, name, _sharded(rank, world, scenario))
+        reference = _reference([world] * STEPS, scenario.clip, scenario.matrix_class)
+        save_result(outdir, rank, f"{name}.reference", reference)
     if saved_by is None:
         _save(rank, world, outdir)
     else:
         save_result(outdir, rank, "resumed", _resume(rank, world, saved_by / "checkpoint.pt"))
+    if dcp_from is not None:
+        save_result(outdir, rank, "dcp_resumed", _dcp_resume(dcp_from, rank, step=3))
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +281,25 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def three_ranks(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    worker = functools.partial(_worker, saved_by=two_ranks["outdir"])
+def one_rank(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """In this process, one gloo rank: the 2-rank DCP checkpoint resumed, step 2 trained, saved again."""
+    outdir = tmp_path_factory.mktemp("whole1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        result = _dcp_resume(two_ranks["outdir"] / "dcp2", 0, step=2, save_to=outdir / "dcp1")
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    return {"outdir": outdir, **result}
+
+
+@pytest.fixture(scope="module")
+def three_ranks(
+    two_ranks: dict[str, Any], one_rank: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    worker = functools.partial(_worker, saved_by=two_ranks["outdir"], dcp_from=one_rank["outdir"] / "dcp1")
     return launch_gloo(worker, tmp_path_factory.mktemp("whole3"), world=3)
 
 
@@ -236,7 +311,7 @@ def launch(request: pytest.FixtureRequest) -> dict[str, Any]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_muon_and_adamw_by_group_train_as_one_process_on_every_rank(launch, scenario):
     """Muon (or Adafactor) on the blocks' matrices, AdamW on the rest: each rank ends as one process."""
-    exact = launch["world"] == 2 and not SCENARIOS[scenario][1]
+    exact = launch["world"] == 2 and not SCENARIOS[scenario].clip
     for result, reference in zip(
         launch_results(launch, scenario), launch_results(launch, f"{scenario}.reference")
     ):
@@ -262,6 +337,16 @@ def test_each_rank_owns_whole_matrices_in_one_range_and_zero2_keeps_only_that_ra
             assert held["range_grads"] == hi - lo
     if launch["world"] == 3:
         assert any("Muon" not in r["classes"] for r in results)  # a rank with no matrix still trains
+
+
+@pytest.mark.parametrize("scenario", ["zero2_buckets", "zero1_buckets"])
+def test_a_buckets_reduction_starts_during_backward_once_its_last_leaf_landed(launch, scenario):
+    """Several buckets: the first reductions start while later leaves still wait for their gradients."""
+    for result in launch_results(launch, scenario):
+        synced = result["started"][-len(result["ranges"]) :]  # the last backward's (the others: no_sync)
+        assert len(synced) >= 3
+        assert synced == sorted(synced)
+        assert synced[0] < result["leaves"] // 2, synced  # the first bucket goes out early in backward
 
 
 def test_cuts_never_split_an_atomic_tensor_and_stay_within_half_of_the_largest():
@@ -377,6 +462,116 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_and_on_one_as_an_uninterrupt
     resumed = _resume(0, 1, two_ranks["outdir"] / "checkpoint.pt")
     for name, value in on_one.items():
         assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_dcp_checkpoints_resume_from_two_ranks_on_one_then_on_three_as_an_uninterrupted_run(
+    one_rank, three_ranks, one_intra_op_thread
+):
+    """dcp.save on 2 ranks after 2 steps, dcp.load on 1 for step 3, saved, dcp.load on 3 for step 4."""
+    for name, value in _reference([2, 2, 1], clip=False)["weights"].items():
+        assert torch.equal(one_rank["weights"][name], value), name
+    on_three = _reference([2, 2, 1, 3], clip=False)["weights"]
+    for result in launch_results(three_ranks, "dcp_resumed"):
+        for name, value in on_three.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-6, atol=1e-7)
+
+
+def _plain_twin_steps(flat_mode: bool) -> tuple[nn.Module, list[Any], nn.Module, Any]:
+    """The plain model with torch's Muon + AdamW, and its flattened twin with the whole-tensor optimizer."""
+    plain, twin = _Gpt(), _Gpt()
+    groups = _split(plain)
+    plain_opts = [
+        torch.optim.Muon(groups[0]["params"], lr=groups[0]["lr"]),
+        torch.optim.AdamW(groups[1]["params"], lr=groups[1]["lr"]),
+    ]
+    storage = register_flat_storage(twin)
+    if not flat_mode:
+        storage.unflatten()
+        sharded = ShardedOptimizer(storage, torch.optim.AdamW, _split(twin), whole_tensors=True)
+    else:  # groups over the flat parameters: AdamW on every tensor, in both models
+        plain_opts = [torch.optim.AdamW(plain.parameters(), lr=1e-2)]
+        sharded = ShardedOptimizer(storage, torch.optim.AdamW, whole_tensors=True, lr=1e-2)
+    for model, opts in ((plain, plain_opts), (twin, [sharded])):
+        _loss(model, _batch(0, 0, 0)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return plain, plain_opts, twin, sharded
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flatten_optimizer_state_dict"])
+@pytest.mark.parametrize("flat_mode", [False, True], ids=["per-tensor mode", "flat mode"])
+def test_get_state_dict_of_whole_tensors_is_the_plain_optimizers_and_loads_both_ways(
+    world1, flat_mode, flatten
+):
+    """Key for key the plain model's DCP optimizer state; each loads into the other; both go on alike."""
+    plain, plain_opts, twin, sharded = _plain_twin_steps(flat_mode)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    _, plain_osd = get_state_dict(plain, plain_opts, options=options)
+    _, sharded_osd = get_state_dict(twin, sharded, options=options)
+    if flatten:
+        assert sharded_osd.keys() == plain_osd.keys()
+        for key, value in plain_osd.items():
+            assert (
+                torch.equal(sharded_osd[key], value)
+                if isinstance(value, torch.Tensor)
+                else (sharded_osd[key] == value)
+            ), key
+    else:
+        assert sharded_osd["state"].keys() == plain_osd["state"].keys()
+        for name, entry in plain_osd["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(sharded_osd["state"][name][key], value), (name, key)
+        assert [g["params"] for g in sharded_osd["param_groups"]] == [
+            g["params"] for g in plain_osd["param_groups"]
+        ]
+    set_state_dict(
+        twin,
+        sharded,
+        model_state_dict={},
+        optim_state_dict=plain_osd,
+        options=StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False),
+    )
+    set_state_dict(
+        plain,
+        plain_opts,
+        model_state_dict={},
+        optim_state_dict=sharded_osd,
+        options=StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False),
+    )
+    for model, opts in ((plain, plain_opts), (twin, [sharded])):
+        _loss(model, _batch(1, 0, 0)).backward()
+        for opt in opts:
+            opt.step()
+    for name, value in plain.named_parameters():
+        assert torch.equal(twin.get_parameter(name), value), name
+
+
+def test_set_state_dict_of_a_checkpoint_without_a_tensor_of_whole_tensors_is_refused(world1):
+    """A checkpoint lacking a tensor's group (or its state, with strict) loads nothing into the optimizer."""
+    _, _, twin, sharded = _plain_twin_steps(flat_mode=False)
+    _, osd = get_state_dict(twin, sharded)
+    before = sharded.state_dict()["state"]
+    no_group = {
+        "state": osd["state"],
+        "param_groups": [g for g in osd["param_groups"] if "blocks.0.up.weight" not in g["params"]],
+    }
+    with pytest.raises(ValueError, match=r"no param group of the checkpoint holds blocks\.0\.up\.weight"):
+        set_state_dict(
+            twin,
+            sharded,
+            model_state_dict={},
+            optim_state_dict=no_group,
+            options=StateDictOptions(strict=False),
+        )
+    no_state = {
+        "state": {k: v for k, v in osd["state"].items() if k != "embed.weight"},
+        "param_groups": osd["param_groups"],
+    }
+    with pytest.raises(RuntimeError, match=r"Missing optimizer state for parameter 'embed\.weight'"):
+        set_state_dict(twin, sharded, model_state_dict={}, optim_state_dict=no_state)
+    after = sharded.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i, entry in before.items() for k, v in entry.items())
 
 
 def test_a_one_process_optimizers_state_loads_into_the_sharded_one_and_back(world1):

@@ -253,3 +253,51 @@ def test_per_tensor_training_of_a_transformer_equals_the_plain_model(make):
     assert sum(t.numel() for s in opts[1].state.values() for t in s.values() if torch.is_tensor(t)) == sum(
         t.numel() for s in opts[0].state.values() for t in s.values() if torch.is_tensor(t)
     )
+
+
+class _Unreached(torch.autograd.Function):
+    """Multiply by ``w.sum()`` and give ``w`` no gradient: its accumulator runs without one."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w.sum()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _TwoStages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Unreached.apply(self.second(self.first(x)), self.scale)
+
+
+@pytest.mark.parametrize("unreached", [False, True], ids=["every leaf", "a leaf without a gradient"])
+def test_a_groups_flat_gradient_is_final_during_backward_once_its_last_leaf_landed(unreached):
+    """The flat parameter's post-accumulate hooks run once a backward, as soon as the group's leaves landed.
+
+    The later layer's group finishes first, while the first layer has no gradient yet (grad sync and
+    ``ShardedOptimizer`` start its reduction there); a leaf that gets no gradient does not hold it back.
+    """
+    model = _TwoStages()
+    second = [model.second, model.scale] if unreached else [model.second]
+    storage = register_flat_storage(
+        model, {"first": [model.first, *([] if unreached else [model.scale])], "second": second}
+    )
+    storage.unflatten()
+    seen: list[tuple[str, bool]] = []
+    for name in storage.group_names:
+        storage[name].register_post_accumulate_grad_hook(
+            lambda flat, name=name: seen.append((name, model.first.weight.grad is None))
+        )
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+    assert seen == [("second", True), ("first", False)] * 2
+    assert model.scale.grad is None  # as on the plain model
