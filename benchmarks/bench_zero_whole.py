@@ -341,8 +341,9 @@ def _balance(shards: Sequence[Any], storage: Any) -> dict[str, Any]:
     return {
         "elements": elements,
         "flops": flops,
-        # NCCL's one-buffer path stages each owner's range in a chunk of the largest range's size
-        "padding": sum(s.chunk * (len(s.cuts) - 1) - s.numel for s in shards),
+        # what NCCL's one-buffer path would pad (each range to the largest) per bucket, in bucket order
+        "paddings": [s.chunk * (len(s.cuts) - 1) - s.numel for s in shards],
+        "numels": [s.numel for s in shards],
         "flat_numel": sum(f.numel() for f in storage.flat_params if f.requires_grad),
     }
 
@@ -389,7 +390,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     moved[ELEMENTWISE] = 2 * flat_numel * 4  # reduce to the owners + broadcast from them, by owner (gloo)
     elements = [m["elements"] for m in ready[WHOLE2]]
     flops = [m["flops"] for m in ready[WHOLE2]]
-    padding, numel = ready[WHOLE2][0]["padding"], flat_numel
+    from flatten_parametrize._distributed.sharded_collectives import MAX_PADDING
+
+    paddings, numels = ready[WHOLE2][0]["paddings"], ready[WHOLE2][0]["numels"]
+    padded = [(pad, n) for pad, n in zip(paddings, numels) if pad <= MAX_PADDING * n]
     base = REPLICATED
     table = Table(
         f"Muon on the blocks' matrices + AdamW on the rest, 2 gloo ranks ({config['threads']} torch thread "
@@ -441,8 +445,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"Whole-tensor cut: elements per rank {elements} (largest / mean "
         f"{max(elements) / statistics.mean(elements):.3f}), Newton-Schulz flops per rank {flops} (largest / "
         f"mean {max(flops) / max(statistics.mean(flops), 1):.3f}); no padding in the layout (gloo moves the "
-        f"uneven ranges by owner); NCCL's one-buffer path pads them to equal chunks: {padding} elements "
-        f"over the buckets ({padding / max(numel, 1):.2e} of the {numel} elements).",
+        f"uneven ranges by owner). NCCL's one-buffer path would pad bucket by bucket {paddings} elements "
+        f"(of {numels}); it takes the {len(padded)} bucket(s) padded by at most {MAX_PADDING:.0%} "
+        f"({sum(p for p, _ in padded)} elements, {sum(p for p, _ in padded) / max(flat_numel, 1):.2e} of the "
+        f"{flat_numel}), the others move by owner.",
         f"Targets: {verdicts}"
         + (" (--quick: sizes are tiny, the verdicts mean nothing)" if config["quick"] else "")
         + f". ({time.perf_counter() - start:.0f} s)",

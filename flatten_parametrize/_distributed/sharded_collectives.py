@@ -14,10 +14,12 @@ gathers the updated slices 1.8-5x faster than ``all_gather_into_tensor`` and
 owner reduces gradients 1.8-3.9x faster than ``reduce_scatter_tensor``. NCCL
 has in-place ``all_gather`` / ``reduce_scatter`` over one padded buffer, which
 is what it is built for. The uneven ranges of whole tensors take that path on
-NCCL too: each owner's range is copied to a place of ``chunk`` elements (the
-largest range) of one padded buffer, so a bucket is still one
-``reduce_scatter`` and one ``all_gather``, at the cost of one copy of the
-bucket each way.
+NCCL too where the padding is small (at most :data:`MAX_PADDING` of the
+bucket): each owner's range is copied to a place of ``chunk`` elements (the
+largest range) of one padded buffer, so a bucket is one ``reduce_scatter``
+and one ``all_gather``, at the cost of one copy of the bucket each way; a
+bucket whose ranges differ more moves by owner, so that the bytes moved stay
+within that fraction of element-wise ZeRO-2's.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dis
 reduce_scatter: Callable[..., Any] = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
+
+#: The most padding (a fraction of the bucket) for which uneven ranges take the one-buffer path.
+MAX_PADDING = 0.05
 
 #: The handles of the collectives in flight for one flat gradient, and the tensor they reduce into.
 Works = tuple[list[Any], Tensor]
@@ -64,6 +69,12 @@ class Collectives:
         self.nccl = "nccl" in str(dist.get_backend(process_group))
         #: Move slices with one broadcast / reduce per owner (fastest on gloo), not one padded buffer (NCCL).
         self.by_owner = not self.nccl
+
+    def by_owner_for(self, shard: Shard) -> bool:
+        """Return whether ``shard``'s ranges move one owner at a time (else: one padded buffer)."""
+        if self.by_owner:
+            return True
+        return not shard.even and shard.chunk * self.world - shard.numel > MAX_PADDING * shard.numel
 
     def device(self, flats: Sequence[Tensor]) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""
@@ -102,7 +113,7 @@ class Collectives:
         in one padded buffer, it is the returned slice-sized tensor.
         """
         pg, world = self.group, self.world
-        if self.by_owner:
+        if self.by_owner_for(shard):
             works = []
             for owner in range(world):
                 lo, hi = shard.bounds(owner)
@@ -136,7 +147,7 @@ class Collectives:
                 flat = shard.flat.detach()
                 if shard.shadow:
                     flat[shard.lo : shard.hi].copy_(shard.param[: shard.hi - shard.lo])
-                if self.by_owner:
+                if self.by_owner_for(shard):
                     for owner in range(world):
                         lo, hi = shard.bounds(owner)
                         if hi > lo:
@@ -172,7 +183,7 @@ class Collectives:
     def gather_value(self, shard: Shard, value: Tensor) -> Tensor:
         """Return a new tensor of the whole flat parameter from every owner's slice-sized ``value``."""
         world, pg = self.world, self.group
-        if not (self.by_owner or not shard.even):
+        if not (self.by_owner_for(shard) or not shard.even):
             out = value.new_empty(shard.chunk * world)
             all_gather(out, value.contiguous(), group=pg)
             return out[: shard.numel].clone()

@@ -122,7 +122,7 @@ class Reducer:
                     shard.flat.grad.copy_(grad)
             if not self._shard_gradients:
                 shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
-            elif self._comm.by_owner:
+            elif self._comm.by_owner_for(shard):
                 shard.set_grad(grad[shard.lo : shard.hi] / world, accumulate=True)
             else:
                 shard.set_grad(grad.div_(world), accumulate=True)

@@ -23,9 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize._distributed import sharded_collectives
 from flatten_parametrize._distributed.sharded_partition import cut_whole_tensors
 
 from _helpers import launch_gloo, launch_results, save_result
@@ -88,6 +95,12 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
 def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
     model, opt, schedule = _built(scenario.shard_gradients, scenario.matrix_class, scenario.bucket_bytes)
     opt._comm.by_owner = not scenario.one_buffer
+    # which buckets NCCL would move by owner (more padding than sharded_collectives.MAX_PADDING allows);
+    # then every bucket takes the padded path here, however uneven (this tiny model's are)
+    padded = [not opt._comm.by_owner_for(s) for s in opt._ownership.shards]
+    paddings = [(s.chunk * world - s.numel) / s.numel for s in opt._ownership.shards]
+    if scenario.one_buffer:
+        sharded_collectives.MAX_PADDING = float("inf")
     held, norms = [], []
     landed: list[int] = []  # leaves accumulated in this backward
     started: list[int] = []  # at each bucket's reduction start: how many had landed
@@ -127,6 +140,9 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
         "ranges": [(s.lo, s.hi) for s in opt._ownership.shards],
         "started": started,
         "leaves": sum(p.requires_grad for p in model.parameters()),
+        "padded": padded,
+        "paddings": paddings,
+        "one_buffer": [not opt._comm.by_owner_for(s) for s in opt._ownership.shards],
     }
 
 
@@ -199,6 +215,7 @@ def _save(rank: int, world: int, outdir: Any) -> None:
     model, opt, schedule = _built()
     _train(model, opt, schedule, rank, range(2))
     _dcp_save(model, opt, schedule, outdir / "dcp2")
+    full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = opt.state_dict()
     if rank == 0:
         torch.save(
@@ -206,6 +223,24 @@ def _save(rank: int, world: int, outdir: Any) -> None:
             outdir / "checkpoint.pt",
         )
     save_result(outdir, rank, "saved", {"state": state})
+    save_result(outdir, rank, "broadcast", _broadcast_resume(rank, full, schedule.state_dict()))
+
+
+def _broadcast_resume(
+    rank: int, full: tuple[dict[str, Any], dict[str, Any]], schedule: Any
+) -> dict[str, Any]:
+    """A fresh setup loads rank 0's full state dicts (``broadcast_from_rank0``; the others pass ``{}``)."""
+    model, opt, fresh = _built()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    msd, osd = full if rank == 0 else ({}, {})
+    set_model_state_dict(model, msd, options=options)  # torch's rank-0-only recipe: model, then optimizer
+    set_optimizer_state_dict(model, opt, osd, options=options)
+    fresh.load_state_dict(schedule)
+    _train(model, opt, fresh, rank, range(2, 3))
+    return {
+        "held": [bool(full[0]), bool(full[1])],
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _dcp_save(model: nn.Module, opt: Any, schedule: Any, path: Any) -> None:
@@ -264,7 +299,11 @@ SCENARIOS = {
 def _worker(rank: int, world: int, outdir: Any, saved_by: Any = None, dcp_from: Any = None) -> None:
     torch.set_num_threads(1)
     for name, scenario in SCENARIOS.items():
-        save_result(outdir, rank, name, _sharded(rank, world, scenario))
+        limit = sharded_collectives.MAX_PADDING
+        try:
+            save_result(outdir, rank, name, _sharded(rank, world, scenario))
+        finally:
+            sharded_collectives.MAX_PADDING = limit
         reference = _reference([world] * STEPS, scenario.clip, scenario.matrix_class)
         save_result(outdir, rank, f"{name}.reference", reference)
     if saved_by is None:
@@ -337,6 +376,15 @@ def test_each_rank_owns_whole_matrices_in_one_range_and_zero2_keeps_only_that_ra
             assert held["range_grads"] == hi - lo
     if launch["world"] == 3:
         assert any("Muon" not in r["classes"] for r in results)  # a rank with no matrix still trains
+
+
+def test_nccls_one_buffer_path_takes_the_buckets_padded_by_at_most_the_limit(launch):
+    """Forced on gloo: every bucket through one padded buffer (trained alike above); by default only those
+    whose padding is within MAX_PADDING, the others by owner."""
+    for result in launch_results(launch, "zero2_one_buffer"):
+        assert all(result["one_buffer"])
+        assert result["padded"] == [p <= sharded_collectives.MAX_PADDING for p in result["paddings"]]
+        assert any(p > 0 for p in result["paddings"])  # uneven: the padded copies were exercised
 
 
 @pytest.mark.parametrize("scenario", ["zero2_buckets", "zero1_buckets"])
@@ -462,6 +510,17 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_and_on_one_as_an_uninterrupt
     resumed = _resume(0, 1, two_ranks["outdir"] / "checkpoint.pt")
     for name, value in on_one.items():
         assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_full_state_dicts_of_rank_0_load_on_every_rank_with_broadcast_from_rank0(
+    two_ranks, one_intra_op_thread
+):
+    """get_state_dict(full_state_dict, cpu_offload): rank 0 holds all; set_state_dict broadcasts it."""
+    expected = _reference([2, 2, 2], clip=False)["weights"]
+    for rank, result in enumerate(launch_results(two_ranks, "broadcast")):
+        assert result["held"] == [rank == 0, rank == 0]
+        for name, value in expected.items():
+            assert torch.equal(result["weights"][name], value), (rank, name)
 
 
 def test_dcp_checkpoints_resume_from_two_ranks_on_one_then_on_three_as_an_uninterrupted_run(
