@@ -14,6 +14,7 @@ per-tensor norms in float32: the same clip within ``rtol=1e-6``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 from typing import Any, NamedTuple
@@ -563,7 +564,11 @@ def _plain_twin_steps(flat_mode: bool) -> tuple[nn.Module, list[Any], nn.Module,
 def test_get_state_dict_of_whole_tensors_is_the_plain_optimizers_and_loads_both_ways(
     world1, flat_mode, flatten
 ):
-    """Key for key the plain model's DCP optimizer state; each loads into the other; both go on alike."""
+    """Key for key the plain model's DCP optimizer state; each loads into the other; both go on alike.
+
+    The states are taken after step 1 and loaded after step 2 (so a load that did nothing would leave
+    step 2's state on its side); step 3 then gives both sides the same weights.
+    """
     plain, plain_opts, twin, sharded = _plain_twin_steps(flat_mode)
     options = StateDictOptions(flatten_optimizer_state_dict=flatten)
     _, plain_osd = get_state_dict(plain, plain_opts, options=options)
@@ -584,22 +589,17 @@ def test_get_state_dict_of_whole_tensors_is_the_plain_optimizers_and_loads_both_
         assert [g["params"] for g in sharded_osd["param_groups"]] == [
             g["params"] for g in plain_osd["param_groups"]
         ]
-    set_state_dict(
-        twin,
-        sharded,
-        model_state_dict={},
-        optim_state_dict=plain_osd,
-        options=StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False),
-    )
-    set_state_dict(
-        plain,
-        plain_opts,
-        model_state_dict={},
-        optim_state_dict=sharded_osd,
-        options=StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False),
-    )
+    plain_osd, sharded_osd = copy.deepcopy(plain_osd), copy.deepcopy(sharded_osd)  # not views of live state
     for model, opts in ((plain, plain_opts), (twin, [sharded])):
         _loss(model, _batch(1, 0, 0)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    load = StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False)
+    for model, opts, osd in ((twin, sharded, plain_osd), (plain, plain_opts, sharded_osd)):
+        set_state_dict(model, opts, model_state_dict={}, optim_state_dict=osd, options=load)
+    for model, opts in ((plain, plain_opts), (twin, [sharded])):
+        _loss(model, _batch(2, 0, 0)).backward()
         for opt in opts:
             opt.step()
     for name, value in plain.named_parameters():
