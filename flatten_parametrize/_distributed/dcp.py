@@ -369,7 +369,7 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
         if not flats and not wholes:
             with _flat_names(optimizers):
                 return original(model, optimizers, info)
-        rest = tuple(optim for optim in optimizers if not is_whole(optim))
+        rest = tuple(optim for optim in optimizers if optim not in wholes)
         flatten = info.flatten_optimizer_state_dict
         info.flatten_optimizer_state_dict = False
         try:
@@ -400,13 +400,17 @@ def _load_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Cal
         error: Exception | None = None
         if (flats or wholes) and state_dict:
             try:
+                whole_names = [tensor_names(dsd, model, optim) for optim in wholes]
                 if "state" not in state_dict:
                     names = [m[0] for f in flats for m in f.members]
                     names += [n for n, _ in model.named_parameters()]
                     names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
-                    names += [n for optim in wholes for g in tensor_names(dsd, model, optim) for n in g]
+                    names += [n for groups in whole_names for g in groups for n in g]
                     state_dict = _nest(state_dict, names)
-                parts = [state_for(dsd, model, optim, state_dict, info.strict) for optim in wholes]
+                parts = [
+                    state_for(optim, groups, state_dict, info.strict)
+                    for optim, groups in zip(wholes, whole_names)
+                ]
                 if flats and rest:
                     state_dict = _to_flat(state_dict, flats, info.strict)
             except (ValueError, RuntimeError) as caught:

@@ -69,9 +69,11 @@ def state_by_name(dsd: ModuleType, model: nn.Module, opt: ShardedOptimizer) -> d
 
 
 def state_for(
-    dsd: ModuleType, model: nn.Module, opt: ShardedOptimizer, osd: Mapping[str, Any], strict: bool
+    opt: ShardedOptimizer, names: list[list[str]], osd: Mapping[str, Any], strict: bool
 ) -> dict[str, Any]:
     """Return the part of ``osd`` (keyed by DCP names) that is ``opt``'s, for its ``load_state_dict``.
+
+    ``names`` are ``opt``'s tensors' (:func:`tensor_names`).
 
     Raises:
         ValueError: if no param group of ``osd`` holds one of ``opt``'s tensors.
@@ -81,15 +83,15 @@ def state_for(
     group_of = {name: g for g in saved_groups for name in g["params"]}
     out_state: dict[str, Any] = {}
     groups = []
-    for own, names in zip(opt.param_groups, tensor_names(dsd, model, opt)):
-        saved = next((group_of[name] for name in names if name in group_of), None)
-        if saved is None and names:
+    for own, mine in zip(opt.param_groups, names):
+        saved = next((group_of[name] for name in mine if name in group_of), None)
+        if saved is None and mine:
             raise ValueError(
-                f"set_state_dict: no param group of the checkpoint holds {names[0]}, a tensor of this "
+                f"set_state_dict: no param group of the checkpoint holds {mine[0]}, a tensor of this "
                 "ShardedOptimizer(whole_tensors=True); load a checkpoint of this model's optimizer"
             )
-        groups.append({**hyperparameters(own if saved is None else saved), "params": names})
-        for name in names:
+        groups.append({**hyperparameters(own if saved is None else saved), "params": mine})
+        for name in mine:
             if name in state:
                 out_state[name] = state[name]
             elif strict:

@@ -605,9 +605,14 @@ def _whole_tensor_step(
     shards = {shard.g: shard for shard in ownership.shards}
     by_class: dict[type[torch.optim.Optimizer], list[tuple[dict[str, Any], int]]] = {}
     outer = []
+
+    def kwargs_of(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+        # the groups hold every hyperparameter; the keyword arguments also reach what a class reads
+        # from its defaults only (timm's Lamb its max_grad_norm)
+        return optimizer_kwargs if cls is optimizer_class else {}
+
     for i, whole in enumerate(wholes):
-        kwargs = optimizer_kwargs if whole.optimizer_class is optimizer_class else {}
-        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs)  # the class's defaults
+        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs_of(whole.optimizer_class))  # defaults
         check_per_tensor(probe)
         outer.append(
             {
@@ -625,10 +630,7 @@ def _whole_tensor_step(
             by_class.setdefault(whole.optimizer_class, []).append(({**outer[i], "params": pieces}, i))
     optimizers, links = [], []
     for o, (cls, items) in enumerate(by_class.items()):
-        # the groups hold every hyperparameter; the keyword arguments also reach what a class reads from
-        # its defaults only (timm's Lamb its max_grad_norm)
-        kwargs = optimizer_kwargs if cls is optimizer_class else {}
-        optimizers.append(cls([inner for inner, _ in items], **kwargs))
+        optimizers.append(cls([inner for inner, _ in items], **kwargs_of(cls)))
         links += [(o, j, i) for j, (_, i) in enumerate(items)]
     local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
     return outer, local

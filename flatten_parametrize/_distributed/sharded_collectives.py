@@ -183,7 +183,7 @@ class Collectives:
     def gather_value(self, shard: Shard, value: Tensor) -> Tensor:
         """Return a new tensor of the whole flat parameter from every owner's slice-sized ``value``."""
         world, pg = self.world, self.group
-        if not (self.by_owner_for(shard) or not shard.even):
+        if shard.even and not self.by_owner:
             out = value.new_empty(shard.chunk * world)
             all_gather(out, value.contiguous(), group=pg)
             return out[: shard.numel].clone()
