@@ -16,6 +16,7 @@ reports a worker which ended before answering.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -31,11 +32,13 @@ from typing import Any
 __all__ = [
     "TAG",
     "Worker",
+    "add_run_arguments",
     "calls_per_round",
     "emit",
     "free_ports",
     "join_gloo",
     "rank_worker",
+    "run_config",
     "serve",
     "started",
     "time_in_turns",
@@ -44,6 +47,48 @@ __all__ = [
 
 #: Lines of the protocol start with this (anything else a worker prints is passed over).
 TAG = "@bench "
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, rounds: int, steps: tuple[int, int], timeout: float, bucket_help: str
+) -> None:
+    """Add the options of a benchmark of rank pairs timed in turns (read by :func:`run_config`).
+
+    ``rounds`` and ``steps`` (full run, ``--quick``) are the defaults; ``--quick`` runs 5 rounds.
+    """
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
+    parser.add_argument("--bucket-cap-mb", type=float, help=f"{bucket_help} (default 25; 1 with --quick)")
+    parser.add_argument(
+        "--rounds", type=int, help=f"timed rounds, at least 5 (default {rounds}; 5 with --quick)"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"steps per contender per round (default {steps[0]}; {steps[1]} with --quick)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before the run is abandoned")
+    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
+
+
+def run_config(args: argparse.Namespace, *, rounds: int, steps: tuple[int, int]) -> dict[str, Any]:
+    """Return the run's settings from the options of :func:`add_run_arguments` (the same defaults).
+
+    Raises:
+        SystemExit: if fewer than 5 rounds are asked for (no median).
+    """
+    quick = args.quick
+    config = {
+        "bucket_cap_mb": args.bucket_cap_mb or (1.0 if quick else 25.0),
+        "rounds": args.rounds or (5 if quick else rounds),
+        "steps": args.steps or (steps[1] if quick else steps[0]),
+        "warmup": 1 if quick else 2,
+        "threads": args.threads,
+        "quick": quick,
+    }
+    if config["rounds"] < 5:
+        raise SystemExit(f"--rounds must be at least 5 for a median; got {config['rounds']}")
+    return config
 
 
 def emit(message: Mapping[str, Any]) -> None:

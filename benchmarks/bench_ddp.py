@@ -49,10 +49,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks._processes import (
     Worker,
+    add_run_arguments,
     emit,
     free_ports,
     join_gloo,
     rank_worker,
+    run_config,
     serve,
     started,
     time_in_turns,
@@ -65,16 +67,16 @@ CONTENDERS = (DDP, DDP_VIEW, FLAT, FLAT_ONE)
 WORLD = 2
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, bucket_help: str) -> None:
+#: Timed rounds and steps per round (full run, ``--quick``) of the data-parallel MLP workloads.
+ROUNDS, STEPS = 15, (3, 2)
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, bucket_help: str, timeout: float) -> None:
     """Add the options of the data-parallel workloads' model, sizes and rounds (read by ``_config``)."""
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
+    add_run_arguments(parser, rounds=ROUNDS, steps=STEPS, timeout=timeout, bucket_help=bucket_help)
     parser.add_argument("--width", type=int, help="MLP width (default 1024; 256 with --quick)")
     parser.add_argument("--depth", type=int, help="number of Linear layers (default 12; 6 with --quick)")
     parser.add_argument("--batch", type=int, help="samples per rank (default 64; 16 with --quick)")
-    parser.add_argument("--bucket-cap-mb", type=float, help=f"{bucket_help} (default 25; 1 with --quick)")
-    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 15; 5 with --quick)")
-    parser.add_argument("--steps", type=int, help="steps per contender per round (default 3; 2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,34 +85,24 @@ def _parser() -> argparse.ArgumentParser:
         description="Training-step time of flat-storage gradient sync against DistributedDataParallel "
         "(2 gloo processes on 127.0.0.1, CPU).",
     )
-    add_workload_arguments(parser, bucket_help="bucket size for DDP and flat, MiB")
+    add_workload_arguments(parser, bucket_help="bucket size for DDP and flat, MiB", timeout=600.0)
     parser.add_argument(
         "--no-trim",
         action="store_true",
         help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ raised (diagnostic)",
     )
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is abandoned")
-    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
     return parser
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
-    config = {
+    return {
         "width": args.width or (256 if quick else 1024),
         "depth": args.depth or (6 if quick else 12),
         "batch": args.batch or (16 if quick else 64),
-        "bucket_cap_mb": args.bucket_cap_mb or (1.0 if quick else 25.0),
-        "rounds": args.rounds or (5 if quick else 15),
-        "steps": args.steps or (2 if quick else 3),
-        "warmup": 1 if quick else 2,
-        "threads": args.threads,
-        "quick": quick,
+        **run_config(args, rounds=ROUNDS, steps=STEPS),
         "no_trim": args.no_trim,
     }
-    if config["rounds"] < 5:
-        raise SystemExit(f"--rounds must be at least 5 for a median; got {config['rounds']}")
-    return config
 
 
 # ----------------------------------------------------------------- one rank

@@ -103,16 +103,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Training step and memory of ShardedOptimizer against DDP, ZeroRedundancyOptimizer and "
         "FSDP2 (2 gloo processes on 127.0.0.1, CPU, AdamW).",
     )
-    add_workload_arguments(parser, bucket_help="bucket size, MiB")
+    add_workload_arguments(parser, bucket_help="bucket size, MiB", timeout=900.0)
     parser.add_argument("--no-trim", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is abandoned")
     parser.add_argument(
         "--collectives",
         type=int,
         metavar="WORLD",
         help="instead: time the collectives that move slices, on WORLD gloo ranks (one flat buffer)",
     )
-    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
     return parser
 
 

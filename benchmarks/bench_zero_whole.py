@@ -45,7 +45,17 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._memory import held_bytes
-from benchmarks._processes import emit, free_ports, join_gloo, rank_worker, serve, started, time_in_turns
+from benchmarks._processes import (
+    add_run_arguments,
+    emit,
+    free_ports,
+    join_gloo,
+    rank_worker,
+    run_config,
+    serve,
+    started,
+    time_in_turns,
+)
 from benchmarks._timing import Table
 
 __all__ = ["main"]
@@ -61,6 +71,8 @@ CONTENDERS = (REPLICATED, ZRO, FLOOR, WHOLE1, WHOLE2)
 ELEMENTWISE = "element-wise ZeRO-2, AdamW"
 WORLD = 2
 MIB = 2**20
+#: Timed rounds and steps per round (full run, ``--quick``).
+ROUNDS, STEPS = 9, (2, 1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,39 +81,25 @@ def _parser() -> argparse.ArgumentParser:
         description="Muon + AdamW sharded by whole tensors against DDP, ZeroRedundancyOptimizer and a "
         "layer-wise floor (2 gloo processes on 127.0.0.1, CPU).",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, numbers mean nothing")
+    add_run_arguments(parser, rounds=ROUNDS, steps=STEPS, timeout=1200.0, bucket_help="bucket size, MiB")
     parser.add_argument("--blocks", type=int, help="transformer blocks (default 6; 2 with --quick)")
     parser.add_argument("--dim", type=int, help="model width (default 384; 32 with --quick)")
     parser.add_argument("--vocab", type=int, help="vocabulary (default 8192; 128 with --quick)")
     parser.add_argument("--tokens", type=int, help="tokens per sequence (default 64; 16 with --quick)")
     parser.add_argument("--batch", type=int, help="sequences per rank (default 8; 2 with --quick)")
-    parser.add_argument("--bucket-cap-mb", type=float, help="bucket size, MiB (default 25; 1 with --quick)")
-    parser.add_argument("--rounds", type=int, help="timed rounds, at least 5 (default 9; 5 with --quick)")
-    parser.add_argument("--steps", type=int, help="steps per contender per round (default 2; 1 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds before the run is abandoned")
-    parser.add_argument("--worker", nargs=3, metavar=("RANK", "PORT", "CONTENDER"), help=argparse.SUPPRESS)
     return parser
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
-    config = {
+    return {
         "blocks": args.blocks or (2 if quick else 6),
         "dim": args.dim or (32 if quick else 384),
         "vocab": args.vocab or (128 if quick else 8192),
         "tokens": args.tokens or (16 if quick else 64),
         "batch": args.batch or (2 if quick else 8),
-        "bucket_cap_mb": args.bucket_cap_mb or (1.0 if quick else 25.0),
-        "rounds": args.rounds or (5 if quick else 9),
-        "steps": args.steps or (1 if quick else 2),
-        "warmup": 1 if quick else 2,
-        "threads": args.threads,
-        "quick": quick,
+        **run_config(args, rounds=ROUNDS, steps=STEPS),
     }
-    if config["rounds"] < 5:
-        raise SystemExit(f"--rounds must be at least 5 for a median; got {config['rounds']}")
-    return config
 
 
 # ----------------------------------------------------------------- one rank
