@@ -244,16 +244,19 @@ class LeafGrads:
         rest: list[tuple[int, Tensor]] = []
         task = graph_task_id()
         pending = self._pending()
+        positions, own = self._positions, self.leaves
+        # create_graph: each gradient has a graph of its own; none lands in a slot
+        slots = flat is not None and not torch.is_grad_enabled()
         for where, (index, leaf, grad) in enumerate(zip(indices, leaves, grads)):
             if grad is None:
                 continue
-            position = self._positions.get(index)
+            position = positions.get(index, -1)
             if (
-                flat is not None
-                and position is not None
-                and self.leaves[position] is leaf
+                slots
+                and position >= 0
+                and own[position] is leaf
+                and leaf.grad is None
                 and position not in pending
-                and self.leaves[position].grad is None
                 and type(grad) is Tensor
                 and self._accumulates(position)
             ):
@@ -291,10 +294,8 @@ class LeafGrads:
 
     def _accumulates(self, position: int) -> bool:
         """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
-        if torch.is_grad_enabled():  # create_graph: the gradient has a graph of its own
-            return False
         try:
-            return bool(will_execute(self._accumulator(position)))
+            return bool(will_execute(self._accumulators.get(position) or self._accumulator(position)))
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
             return False
 

@@ -17,14 +17,21 @@ and puts the leaf back after it (also when the forward raised):
   called outside that forward: a submodule called directly, activation
   checkpointing's recomputation in backward (forward pre-hooks and
   always-called forward hooks on those modules).
-* The compute views are the outputs of one autograd node per owning module
-  (:class:`_LeafCast`) whose inputs are that module's leaves: backward converts
-  each gradient to the master dtype and autograd accumulates it into the leaf,
-  whose ``.grad`` is its slot of the master-dtype flat gradient
-  (``_core/leaf_grads.py``). So DDP's reducer, comm hooks and per-parameter
-  hooks see the leaves' gradients as on the plain model. The nodes are made
-  once per compute copy and serve every forward (they hold nothing); in
-  ``no_grad`` and ``inference_mode`` forwards the views are served detached.
+* The compute views are the outputs of autograd nodes (:class:`_LeafCast`)
+  whose inputs are the leaves: backward converts each gradient to the master
+  dtype and autograd accumulates it into the leaf, whose ``.grad`` is its slot
+  of the master-dtype flat gradient (``_core/leaf_grads.py``). So DDP's
+  reducer, comm hooks and per-parameter hooks see the leaves' gradients as on
+  the plain model. Where a process group exists there is a node per owning
+  module, so that a module's gradients land (and DDP reduces them) as soon as
+  its backward is done; in one process, one node per group, so that backward
+  runs one Python call per group instead of one per module (the gradients of a
+  group then land together, as a flat parameter's do). The nodes are made once
+  per compute copy and serve every forward (they hold nothing); in ``no_grad``
+  and ``inference_mode`` forwards the views are served detached.
+* Inside the registered module's forward every leaf is swapped, so the owners'
+  hooks are taken out of their dicts for its length (:func:`_mute`): their
+  calls take ``nn.Module.__call__``'s fast path.
 * When the copy is cast: at each forward, each group's leaves' ``_version``
   (and the flat parameter's) are compared with those at its last cast, and
   the leaves whose ``.data`` was read or that a fused step updated (neither
@@ -54,6 +61,9 @@ __all__ = ["LeafCompute"]
 
 #: ``(module, attribute, leaf, compute view)`` of each swap, to put the leaf back.
 _Swap = tuple[nn.Module, str, Tensor, Tensor]
+
+#: ``(owner, key of its pre-hook, key of its hook)`` of an owner whose hooks are out for a forward.
+_Muted = tuple[nn.Module, int, int]
 
 #: Each module that owns leaves of a group with a compute copy -> its storage's :class:`LeafCompute`.
 _OWNER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref[LeafCompute]] = weakref.WeakKeyDictionary()
@@ -109,6 +119,8 @@ class _GroupLeaves:
     #: Slot index -> its detached view, and its view out of a :class:`_LeafCast` node.
     plain: list[Tensor] = field(default_factory=list)
     graph: dict[int, Tensor] = field(default_factory=dict)
+    #: Whether :attr:`graph` has a node per owning module (else one for the group).
+    by_owner_graph: bool = False
 
 
 class LeafCompute:
@@ -127,6 +139,9 @@ class LeafCompute:
         self._stack: list[list[_Swap]] = []
         #: Forwards of the registered module running: every leaf is swapped, an owner's call needs nothing.
         self._root_depth = 0
+        #: The modules that own leaves, and those whose hooks are out for the registered module's forward.
+        self._owners: list[nn.Module] = []
+        self._muted: list[_Muted] = []
         self._storage_ref: weakref.ref[Coordinator] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -138,6 +153,8 @@ class LeafCompute:
         groups = storage.groups()
         tx.on_undo(self._forget)  # the leaves' classes, counts and hooks are undone one by one
         self._groups = {g: self._note(groups[g], modules, live, tx) for g in self._indices}
+        owners = {id(m): m for record in self._groups.values() for m, _, _, _ in record.targets}
+        self._owners = list(owners.values())
 
     def _note(
         self, group: Group, modules: dict[str, nn.Module], live: set[str], tx: Transaction
@@ -171,11 +188,12 @@ class LeafCompute:
     def end(self, tx: Transaction | None) -> None:
         """Per-tensor mode ends: every leaf back in place, its own class again, the modules unhooked."""
         tx = tx if tx is not None else Transaction()
+        _unmute(self._muted)
         while self._stack:
             _put_back(self._stack.pop())
         self._root_depth = 0
-        groups, self._groups = self._groups, {}
-        tx.on_undo(lambda: setattr(self, "_groups", groups))
+        groups, owners, self._groups, self._owners = self._groups, self._owners, {}, []
+        tx.on_undo(lambda: self.__dict__.update(_groups=groups, _owners=owners))
         for record in groups.values():
             for leaf in record.leaves.values():
                 if type(leaf) is not base_class(type(leaf)):
@@ -187,6 +205,7 @@ class LeafCompute:
 
     def _forget(self) -> None:
         self._groups = {}
+        self._owners = []
 
     def rebacked(self) -> None:
         """The buffers were replaced or written unseen: cast every group again at its next forward."""
@@ -197,11 +216,15 @@ class LeafCompute:
     def before_forward(self) -> None:
         """The registered module's forward begins: every leaf's compute view in its place."""
         self._stack.append(self._swap(None))
+        if not self._root_depth and not compiling_or_tracing():
+            self._muted = _mute(self._owners)
         self._root_depth += 1
 
     def after_forward(self) -> None:
         """The registered module's forward ended (or raised): every leaf back."""
         self._root_depth = max(self._root_depth - 1, 0)
+        if not self._root_depth:
+            _unmute(self._muted)
         if self._stack:
             _put_back(self._stack.pop())
 
@@ -264,9 +287,15 @@ class LeafCompute:
                 record.graph = {}
         if not (torch.is_grad_enabled() and flat.requires_grad) or torch.is_inference_mode_enabled():
             return record.plain
-        if not record.graph:
+        by_owner = _distributed()
+        if not record.graph or record.by_owner_graph != by_owner:
+            record.graph = {}
+            record.by_owner_graph = by_owner
+            nodes = list(record.by_owner.values())
+            if not by_owner:
+                nodes = [[index for indices in nodes for index in indices]]
             with torch.inference_mode(False):
-                for indices in record.by_owner.values():
+                for indices in nodes:
                     outputs = _LeafCast.apply(
                         tuple(record.plain[i] for i in indices),
                         group.grads,
@@ -277,10 +306,48 @@ class LeafCompute:
         return record.graph
 
 
+def _distributed() -> bool:
+    """Return whether a default process group exists (DDP may reduce leaves during backward)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _put_back(done: list[_Swap]) -> None:
     for module, attr, leaf, view in reversed(done):
         if module._parameters.get(attr) is view:  # outside code put something else there: it stays
             module._parameters[attr] = leaf  # type: ignore[assignment]
+
+
+def _mute(owners: list[nn.Module]) -> list[_Muted]:
+    """Take the owners' hooks out of their dicts for the registered module's forward.
+
+    Inside that forward every leaf is swapped already, so the owners' hooks would do
+    nothing, and a module without hooks takes ``nn.Module.__call__``'s fast path. Only
+    an owner whose forward hooks are ours alone is muted; :func:`_unmute` puts the
+    hooks back first in their dicts, where they were.
+    """
+    muted: list[_Muted] = []
+    for owner in owners:
+        pre, post = owner._forward_pre_hooks, owner._forward_hooks
+        if len(pre) == 1 and len(post) == 1:
+            ((pre_key, before),) = pre.items()
+            ((post_key, after),) = post.items()
+            if before is _owner_before and after is _owner_after:
+                pre.clear()
+                post.clear()
+                muted.append((owner, pre_key, post_key))
+    return muted
+
+
+def _unmute(muted: list[_Muted]) -> None:
+    """Put back the hooks :func:`_mute` took out (before any registered since); empty ``muted``."""
+    while muted:
+        owner, pre_key, post_key = muted.pop()
+        for hooks, key, hook in (
+            (owner._forward_pre_hooks, pre_key, _owner_before),
+            (owner._forward_hooks, post_key, _owner_after),
+        ):
+            hooks[key] = hook
+            hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
 
 
 def _forgetting(owner: nn.Module) -> Callable[[], None]:

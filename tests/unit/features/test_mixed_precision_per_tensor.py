@@ -275,6 +275,71 @@ def test_a_forward_that_raises_puts_the_leaves_back():
     assert all(p.dtype == torch.float32 and p.is_leaf for p in model.parameters())
 
 
+def _leaf_cast_nodes(out: torch.Tensor) -> int:
+    """Count the ``_LeafCastBackward`` nodes of ``out``'s graph."""
+    seen, todo, count = set(), [out.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == "_LeafCastBackward"
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return count
+
+
+def test_one_cast_node_per_group_in_one_process_and_one_per_module_where_a_process_group_exists(world1):
+    """DDP reduces a module's gradients as soon as its backward is done; one process needs one node."""
+    plain = Block()
+    dist = torch.distributed
+    dist.destroy_process_group()  # first: one process
+    model, _ = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    batch = _batches(1)[0]
+    out = _loss(model(batch))
+    assert _leaf_cast_nodes(out) == 1
+    out.backward()
+    _loss(reference(batch)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(g, plain.get_parameter(n).grad) for n, g in grads.items())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the fixture ends it
+    model.zero_grad()
+    out = _loss(model(batch))
+    assert _leaf_cast_nodes(out) == 4  # embed, norm, up, down (head's weight is embed's)
+    out.backward()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+
+
+def test_owners_hooks_are_out_only_inside_the_forward_and_come_back_in_their_place():
+    """Inside the forward the owners have no hooks (the fast call path); after it, a hook registered on an
+    owner meanwhile runs after the library's (it sees the bf16 weight) and its handle removes it."""
+    model, _ = _per_tensor(Block())
+    seen: dict[str, object] = {}
+
+    def user_hook(module: nn.Module, args: object) -> None:
+        seen["dtype"] = module.weight.dtype
+
+    def inside(module: nn.Module, args: object) -> None:
+        seen["hooks"] = len(model.up._forward_pre_hooks) + len(model.up._forward_hooks)
+        seen["handle"] = model.up.register_forward_pre_hook(user_hook)
+
+    registering = model.register_forward_pre_hook(inside)
+    model(_batches(1)[0])
+    registering.remove()
+    assert seen["hooks"] == 0
+    assert seen.pop("dtype") == torch.bfloat16  # up ran after the hook was registered, as on a plain model
+    model.up(torch.randn(2, 8, dtype=torch.bfloat16))
+    assert seen["dtype"] == torch.bfloat16
+    assert model.up.weight.dtype == torch.float32
+    seen["handle"].remove()  # type: ignore[attr-defined]
+    assert len(model.up._forward_pre_hooks) == 1  # the library's only
+    model(_batches(1)[0])
+    assert len(model.up._forward_pre_hooks) == len(model.up._forward_hooks) == 1
+    with pytest.raises(IndexError):
+        model(torch.tensor([[99]]))
+    assert len(model.up._forward_pre_hooks) == len(model.up._forward_hooks) == 1
+
+
 def test_compile_in_per_tensor_mode_is_one_graph_with_eager_results():
     """torch.compile of the per-tensor model: one graph, no break; outputs and gradients equal eager."""
     torch._dynamo.reset()
