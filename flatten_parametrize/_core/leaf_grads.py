@@ -19,7 +19,9 @@ gradient owner (``grad.GroupGrad``):
   ``zero_grad()``, whose default sets it to ``None``) is copied into its
   slot, which becomes the leaf's ``.grad``; the slots of leaves without a
   gradient are zeroed (the flat gradient is then the plain model's
-  gradients, zeros where it has none); and the flat parameter's own
+  gradients, zeros where it has none; a flat gradient made there, as after
+  ZeRO-2 released the last one, starts empty and each of its elements is
+  written once: copied, or zeroed with the padding between slots); and the flat parameter's own
   post-accumulate-grad hooks run, as they would in flat mode (grad sync and
   ``ShardedOptimizer`` reduce the flat gradient there). When the flat
   parameter has such hooks, the first gradient also counts the leaves this
@@ -82,6 +84,7 @@ class LeafGrads:
         "_claims",
         "_ended",
         "_flat",
+        "_gap_ranges",
         "_handles",
         "_left",
         "_positions",
@@ -101,6 +104,8 @@ class LeafGrads:
         self._split = split
         #: The flat gradient last split into slots, and its slots in ``leaves`` order (one split per tensor).
         self._regions: tuple[Tensor, list[Tensor]] | None = None
+        #: ``(start, length)`` of each part of the flat gradient outside the leaves' slots (computed once).
+        self._gap_ranges: list[tuple[int, int]] | None = None
         #: The backward whose end :meth:`end` is queued for (``-1``: none).
         self.task = -1
         #: The leaves of that backward still to accumulate before :meth:`end` may run early (0: do not
@@ -190,9 +195,13 @@ class LeafGrads:
         if all(grad is None for grad in grads):
             return None
         pending = self._pending()
-        current = _flat_grad(flat, contiguous=False)
+        current: Tensor | None = BASE_GRAD.__get__(flat)
+        fresh = current is None  # a new flat gradient: every element is written below, once
+        if current is None:
+            current = torch.empty_like(flat, memory_format=torch.contiguous_format)
+            BASE_GRAD.__set__(flat, current)
         regions = self._regions_of(current)
-        zeros: list[Tensor] = []
+        zeros: list[Tensor] = self._gaps(current) if fresh else []
         targets: list[Tensor] = []
         sources: list[Tensor] = []
         moved: list[tuple[Tensor, Tensor]] = []
@@ -200,10 +209,10 @@ class LeafGrads:
             if grad is region:  # autograd accumulated in place: the common path
                 continue
             if grad is None:
-                if position not in pending:  # a slot that backward filled keeps its gradient
+                if fresh or position not in pending:  # a slot that backward filled keeps its gradient
                     zeros.append(region)
                 continue
-            if _same_elements(grad, region):  # a view of the slot made elsewhere (the mode switch's)
+            if not fresh and _same_elements(grad, region):  # a view of the slot made elsewhere (mode switch)
                 moved.append((leaf, region))
                 continue
             targets.append(region)
@@ -317,6 +326,23 @@ class LeafGrads:
         regions = None if value is None else self._regions_of(value)
         for position, leaf in enumerate(self.leaves):
             leaf.grad = None if regions is None else regions[position]
+
+    def _gaps(self, grad: Tensor) -> list[Tensor]:
+        """Return the parts of ``grad``, the flat gradient, outside the leaves' slots (padding, others)."""
+        ranges = self._gap_ranges
+        if ranges is None:
+            base, end = int(grad.storage_offset()), int(grad.numel())
+            ranges, start = [], 0
+            slots = sorted((int(r.storage_offset()) - base, int(r.numel())) for r in self._regions_of(grad))
+            for offset, numel in slots:
+                if offset > start:
+                    ranges.append((start, offset - start))
+                start = max(start, offset + numel)
+            if start < end:
+                ranges.append((start, end - start))
+            self._gap_ranges = ranges
+        flat = grad.view(-1)
+        return [flat[start : start + numel] for start, numel in ranges]
 
     def _regions_of(self, grad: Tensor) -> list[Tensor]:
         """Return the leaves' slots of ``grad``, the flat gradient, split once per tensor."""

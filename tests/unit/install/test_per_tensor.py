@@ -87,6 +87,29 @@ def test_a_parameter_that_got_no_gradient_keeps_none_and_its_slot_reads_zero():
     assert torch.equal(views["0.weight"], plain[0].weight.grad)
 
 
+def test_a_new_flat_gradient_is_written_whole_padding_and_slots_without_gradient_zero(monkeypatch):
+    """A flat gradient made at the end of backward starts empty (dirty memory here: NaN); each element of
+    it is written once: the padding between slots and a slot whose leaf got no gradient read zero."""
+    plain = mlp(3, 6)
+    flat = twin(plain)
+    storage = register_flat_storage(flat, align=16)  # padding after every slot
+    storage.unflatten()
+    real = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real(*a, **k).fill_(float("nan")))
+    x = torch.randn(2, 6)
+    for step in range(2):
+        storage["0"].grad = None  # as ZeRO-2 lets it go after each reduction
+        plain.zero_grad()
+        for m in (plain, flat):
+            m[0](x).sum().backward()  # layer 2 outside the graph
+        grad = storage["0"].grad
+        assert not grad.isnan().any(), step
+        views = storage.views_of([grad])
+        assert torch.equal(views["0.weight"], plain[0].weight.grad)
+        assert not views["2.weight"].any() and flat[2].weight.grad is None
+        assert grad.abs().sum() == sum(p.grad.abs().sum() for p in plain.parameters() if p.grad is not None)
+
+
 def test_micro_batches_accumulate_in_place_in_the_flat_gradient():
     """Backwards without zero_grad add into the same memory (no copy after the first), as the plain model."""
     plain, flat, _ = _pair()
