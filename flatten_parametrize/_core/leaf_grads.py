@@ -22,8 +22,8 @@ gradient owner (``grad.GroupGrad``):
   gradients, zeros where it has none; a flat gradient made there, as after
   ZeRO-2 released the last one, starts empty and each of its elements is
   written once: copied, or zeroed with the padding between slots); and the
-  flat parameter's own post-accumulate-grad hooks run, as they would in flat mode (grad sync and
-  ``ShardedOptimizer`` reduce the flat gradient there). When the flat
+  flat parameter's own post-accumulate-grad hooks run, as they would in flat
+  mode (grad sync and ``ShardedOptimizer`` reduce the flat gradient there). When the flat
   parameter has such hooks, the first gradient also counts the leaves this
   backward will accumulate, and the last of them runs that end at once,
   during backward, so that the group's reduction overlaps the rest of
