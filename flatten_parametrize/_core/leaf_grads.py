@@ -195,11 +195,7 @@ class LeafGrads:
         if all(grad is None for grad in grads):
             return None
         pending = self._pending()
-        current: Tensor | None = BASE_GRAD.__get__(flat)
-        fresh = current is None  # a new flat gradient: every element is written below, once
-        if current is None:
-            current = torch.empty_like(flat, memory_format=torch.contiguous_format)
-            BASE_GRAD.__set__(flat, current)
+        current, fresh = _flat_grad(flat, contiguous=False, empty=True)  # fresh: each element written below
         regions = self._regions_of(current)
         zeros: list[Tensor] = self._gaps(current) if fresh else []
         targets: list[Tensor] = []
@@ -274,7 +270,7 @@ class LeafGrads:
                 rest.append((where, grad))
         with torch.no_grad():
             if direct and flat is not None:
-                regions = self._regions_of(_flat_grad(flat, contiguous=True))
+                regions = self._regions_of(_flat_grad(flat, contiguous=True, empty=False)[0])
                 targets = [regions[position] for _, position, _ in direct]
                 torch._foreach_copy_(targets, [grad for _, _, grad in direct])
                 ref = self._claims.get(task)
@@ -304,7 +300,7 @@ class LeafGrads:
     def _accumulates(self, position: int) -> bool:
         """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
         try:
-            return bool(will_execute(self._accumulators.get(position) or self._accumulator(position)))
+            return bool(will_execute(self._accumulator(position)))
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
             return False
 
@@ -356,13 +352,19 @@ class LeafGrads:
 _NONE: set[int] = set()
 
 
-def _flat_grad(flat: Tensor, contiguous: bool) -> Tensor:
-    """Return ``flat``'s own gradient, zeros first if it has none (or, with ``contiguous``, a strided one)."""
+def _flat_grad(flat: Tensor, contiguous: bool, empty: bool) -> tuple[Tensor, bool]:
+    """Return ``flat``'s own gradient and whether it was made now (it had none, or a strided one).
+
+    A strided gradient is replaced only with ``contiguous``. A gradient made now is zeros, or with
+    ``empty`` not filled (the caller writes every element).
+    """
     current: Tensor | None = BASE_GRAD.__get__(flat)
-    if current is None or (contiguous and not current.is_contiguous()):
-        current = torch.zeros_like(flat, memory_format=torch.contiguous_format)
-        BASE_GRAD.__set__(flat, current)
-    return current
+    if current is not None and (not contiguous or current.is_contiguous()):
+        return current, False
+    make = torch.empty_like if empty else torch.zeros_like
+    current = make(flat, memory_format=torch.contiguous_format)
+    BASE_GRAD.__set__(flat, current)
+    return current, True
 
 
 class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can point at
