@@ -36,7 +36,16 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._memory import held_bytes
-from benchmarks._processes import Worker, calls_per_round, emit, free_ports, join_gloo, serve, time_in_turns
+from benchmarks._processes import (
+    STEADY_HEAP,
+    Worker,
+    calls_per_round,
+    emit,
+    free_ports,
+    join_gloo,
+    serve,
+    time_in_turns,
+)
 from benchmarks._timing import Table, fmt_time
 
 __all__ = ["CONTENDERS", "start", "table", "wait_ready"]
@@ -145,6 +154,7 @@ def start(settings: Any, size: dict[str, Any]) -> dict[str, list[Worker]]:
     root = str(Path(__file__).resolve().parent.parent)
     env = {
         **os.environ,
+        **STEADY_HEAP,  # as the one-process contenders (bench_mixed_precision.py)
         "OMP_NUM_THREADS": str(threads),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "STEADY_HEAP",
     "TAG",
     "Worker",
     "add_run_arguments",
@@ -41,12 +42,24 @@ __all__ = [
     "run_config",
     "serve",
     "started",
+    "time_across_processes",
     "time_in_turns",
     "time_round",
 ]
 
 #: Lines of the protocol start with this (anything else a worker prints is passed over).
 TAG = "@bench "
+
+#: glibc malloc settings for workers whose step allocates and frees megabytes (the environment of
+#: their processes). By default glibc moves its mmap threshold with what a process freed so far and
+#: hands the top of the heap back to the system, so a step takes its large buffers from fresh pages:
+#: about 2,000 page faults per step of the mixed-precision GPT-2 row (1,860 to 2,290 from one
+#: process to the next, for every contender alike), about a tenth of the step. Which processes fault
+#: more is luck: the same contender in three processes, timed in turns, differed by up to 14%. With
+#: the threshold fixed at glibc's largest (32 MiB) and no trimming, a step keeps its memory (0 to
+#: 70 faults) and three processes of a contender agree within 1.5%. PyTorch's CPU tuning guide
+#: gives the same advice (an allocator that keeps freed memory: jemalloc, tcmalloc).
+STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 
 
 def add_run_arguments(
@@ -260,11 +273,44 @@ def time_in_turns(
     Returns:
         Per contender, one list per round of its workers' messages.
     """
-    names = list(contenders)
-    found: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in names}
+
+    def ask(name: str, _round: int) -> list[dict[str, Any]]:
+        for worker in contenders[name]:
+            worker.send(f"go {what}")
+        return [worker.receive() for worker in contenders[name]]
+
+    return _in_turns(list(contenders), rounds, ask)
+
+
+def time_across_processes(
+    contenders: Mapping[str, Sequence[Worker]], what: str, rounds: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Ask every contender to measure ``what`` in turns, as :func:`time_in_turns`, rotating its processes.
+
+    Each contender has several interchangeable processes (of one rank each); round ``r`` asks its
+    process ``r % len(processes)``. A process is a draw of where the model's tensors land in memory
+    (cache sets, pages), and that draw alone moves a step's time by up to +-14% for the life of the
+    process on a 2-CPU virtual machine (the same contender in three processes, in turns): a ratio
+    between two processes measures the two draws as much as the two contenders. Rotating spreads
+    each contender's rounds over several draws, so that a ratio's median is not one pair's luck.
+
+    Returns:
+        Per contender, one message per round.
+    """
+
+    def ask(name: str, r: int) -> dict[str, Any]:
+        processes = contenders[name]
+        worker = processes[r % len(processes)]
+        worker.send(f"go {what}")
+        return worker.receive()
+
+    return _in_turns(list(contenders), rounds, ask)
+
+
+def _in_turns(names: list[str], rounds: int, ask: Callable[[str, int], Any]) -> dict[str, list[Any]]:
+    """Call ``ask(name, round)`` for every name, round after round, alternating the order."""
+    found: dict[str, list[Any]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
-            for worker in contenders[name]:
-                worker.send(f"go {what}")
-            found[name].append([worker.receive() for worker in contenders[name]])
+            found[name].append(ask(name, r))
     return found

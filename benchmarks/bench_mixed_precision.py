@@ -1,10 +1,12 @@
-"""Workload: bfloat16 training steps with float32 masters, one process per contender.
+"""Workload: bfloat16 training steps with float32 masters, each contender in processes of its own.
 
 Models: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 4 heads, feed-forward
 1024, batch 8 x 64) and a tiny GPT-2 built from a config (transformers). Rows
 per model: a training step with fused AdamW over 1 and over 4 micro-batches,
-and forward+backward alone. Contenders, each in a process of its own, timed in
-turns (``benchmarks/_processes.py``):
+and forward+backward alone. Contenders, each in :data:`PROCESSES` processes of
+its own, timed in turns, each round asking the next of a contender's processes
+(``benchmarks/_processes.py``, :func:`~benchmarks._processes.time_across_processes`), every
+process with glibc's heap kept (:data:`~benchmarks._processes.STEADY_HEAP`: no page faults per step):
 
 * ``plain float32``: the plain model;
 * ``plain autocast``: the plain model under ``torch.autocast("cpu", torch.bfloat16)``;
@@ -44,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _mixed_precision_ranks as ranks
-from benchmarks._processes import Worker, emit, serve, started, time_in_turns, time_round
+from benchmarks._processes import STEADY_HEAP, Worker, emit, serve, started, time_across_processes, time_round
 from benchmarks._timing import (
     Report,
     Samples,
@@ -84,6 +86,11 @@ ROWS = (STEP1, STEP4, FWD_BWD)
 #: time, so a round's first calls pay for waking it up); the whole workload takes about 6 minutes.
 ROUNDS = 9
 ROUND_FACTOR = 3
+#: Processes per contender (``--quick``: 1), asked in rotation, 3 rounds each: where a process's
+#: tensors land in memory moves its step time by up to +-14% for its whole life on a 2-CPU VM (the
+#: same contender in three processes), more than the 1.00x targets below can tell apart.
+PROCESSES = 3
+QUICK_PROCESSES = 1
 #: Targets, as ratios of flat + policy to a baseline of the same run: per step row at most plain
 #: autocast's time and the hand-written loop's (+3%); forward+backward at most pure bfloat16's (+5%).
 #: (Restated against the same run: on CPUs without AMX bfloat16 compute is barely faster than
@@ -410,23 +417,16 @@ def run(settings: Settings) -> Report:
     root = str(Path(__file__).resolve().parent.parent)
     env = {
         **os.environ,
+        **STEADY_HEAP,
         "OMP_NUM_THREADS": str(settings.threads),
         "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p),
     }
+    command = [sys.executable, "-m", "benchmarks.bench_mixed_precision", "--worker"]
+    processes = QUICK_PROCESSES if settings.quick else PROCESSES
     workers = {
         name: [
-            Worker(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.bench_mixed_precision",
-                    "--worker",
-                    name,
-                    json.dumps(config),
-                ],
-                f"bench_mixed_precision: {name!r}",
-                env,
-            )
+            Worker([*command, name, json.dumps(config)], f"bench_mixed_precision: {name!r} #{i}", env)
+            for i in range(processes)
         ]
         for name in CONTENDERS
     }
@@ -435,13 +435,14 @@ def run(settings: Settings) -> Report:
     rounds = min(settings.rounds, ROUNDS)
     everyone = [w for ws in (*workers.values(), *pairs.values()) for w in ws]
     with started(everyone, timeout=1500):
-        memory = {name: ws[0].receive()["memory"] for name, ws in workers.items()}
+        built = {name: [w.receive()["memory"] for w in ws] for name, ws in workers.items()}
+        memory = {name: reports[0] for name, reports in built.items()}  # a contender's processes agree
         ready = ranks.wait_ready(pairs)  # nothing but the timed worker runs from here on
         for model in models:
             for row in ROWS:
                 key = f"{model}/{row}"
-                found = time_in_turns(workers, key, rounds)
-                results[key] = {n: Samples([m[0]["seconds"] for m in rounds]) for n, rounds in found.items()}
+                found = time_across_processes(workers, key, rounds)
+                results[key] = {n: Samples([m["seconds"] for m in rounds]) for n, rounds in found.items()}
         quality = {}
         for name in QUALITY:  # one at a time: each trains on its own
             workers[name][0].send("go quality")
@@ -450,7 +451,7 @@ def run(settings: Settings) -> Report:
     report = Report()
     for model in models:
         report.tables.append(
-            _timing_table(model, size, results, memory[FP32][model]["params"], memory, rounds)
+            _timing_table(model, size, results, memory[FP32][model]["params"], memory, rounds, processes)
         )
         for row in ROWS:
             res = results[f"{model}/{row}"]
@@ -477,6 +478,7 @@ def _timing_table(
     params: int,
     memory: dict[str, Any],
     rounds: int,
+    processes: int,
 ) -> Table:
     s = size[model]
     what = (
@@ -510,9 +512,11 @@ def _timing_table(
         )
     table.notes.append(
         f"{rounds} rounds per row, contenders alternating (forward, then reverse order), each "
-        "in its own process; median time per call and half the interquartile range; ratios are "
-        "the median over rounds of the contender's time over the baseline's in the same round "
-        "(seconds apart, so that the machine's drifting load cancels), lower is faster. Autocast adds "
+        f"contender in {processes} processes of its own asked in rotation (a process's memory "
+        "placement moves its time for its whole life); median time per call and half the "
+        "interquartile range; ratios are the median over rounds of the contender's time over the "
+        "baseline's in the same round (seconds apart, so that the machine's drifting load cancels), "
+        "lower is faster. Autocast adds "
         "per-use casts that live until backward ends (not counted in bytes/param); AdamW state (8 "
         "bytes/param in the master's dtype, 4 for pure bfloat16) comes on top."
     )

@@ -48,6 +48,32 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
     assert (tmp_path / "results.md").read_text().startswith("# flatten_parametrize benchmarks")
 
 
+def test_time_across_processes_asks_each_contenders_processes_in_rotation_in_alternating_order() -> None:
+    """Round r asks process r % n of every contender; rounds go A B, B A, ... (`benchmarks/_processes.py`)."""
+    from benchmarks._processes import Worker, started, time_across_processes
+
+    serve_pid = (
+        "import os, sys, time\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from benchmarks._processes import emit, serve\n"
+        "serve(lambda what: {'pid': os.getpid(), 'what': what, 'at': time.monotonic_ns()})\n"
+    )
+    workers = {
+        name: [
+            Worker([sys.executable, "-c", serve_pid, str(ROOT)], f"{name} #{i}", os.environ) for i in range(n)
+        ]
+        for name, n in (("a", 3), ("b", 2))
+    }
+    with started([w for ws in workers.values() for w in ws], timeout=120):
+        found = time_across_processes(workers, "row", 6)
+    for name, processes in workers.items():
+        pids = [p.proc.pid for p in processes]
+        assert [m["pid"] for m in found[name]] == [pids[r % len(pids)] for r in range(6)]
+        assert all(m["what"] == "row" for m in found[name])
+    a_first = [a["at"] < b["at"] for a, b in zip(found["a"], found["b"])]
+    assert a_first == [True, False] * 3
+
+
 def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
     """`--only mixed_precision --quick` runs every contender in its own process(es) and prints the tables.
 
