@@ -288,11 +288,12 @@ def time_across_processes(
     """Ask every contender to measure ``what`` in turns, as :func:`time_in_turns`, rotating its processes.
 
     Each contender has several interchangeable processes (of one rank each); round ``r`` asks its
-    process ``r % len(processes)``. A process is a draw of where the model's tensors land in memory
-    (cache sets, pages), and that draw alone moves a step's time by up to +-14% for the life of the
-    process on a 2-CPU virtual machine (the same contender in three processes, in turns): a ratio
-    between two processes measures the two draws as much as the two contenders. Rotating spreads
-    each contender's rounds over several draws, so that a ratio's median is not one pair's luck.
+    process ``r % len(processes)``. A process is a draw: its page faults (:data:`STEADY_HEAP`) and
+    where its tensors land in memory set its step time for its whole life. Three processes of one
+    contender, in turns on a 2-CPU virtual machine, were up to 14% apart with glibc's defaults and
+    within 1.5% with the heap kept; a ratio between two processes measures the two draws as well as
+    the two contenders. Rotating spreads each contender's rounds over several draws, so that a
+    ratio's median is not one pair's luck.
 
     Returns:
         Per contender, one message per round.

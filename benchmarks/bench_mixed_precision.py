@@ -86,9 +86,10 @@ ROWS = (STEP1, STEP4, FWD_BWD)
 #: time, so a round's first calls pay for waking it up); the whole workload takes about 6 minutes.
 ROUNDS = 9
 ROUND_FACTOR = 3
-#: Processes per contender (``--quick``: 1), asked in rotation, 3 rounds each: where a process's
-#: tensors land in memory moves its step time by up to +-14% for its whole life on a 2-CPU VM (the
-#: same contender in three processes), more than the 1.00x targets below can tell apart.
+#: Processes per contender (``--quick``: 1), asked in rotation, 3 rounds each: a process's page
+#: faults and memory placement set its step time for its whole life (three processes of one
+#: contender: up to 14% apart with glibc's defaults, within 1.5% with the heap kept), and the 1.00x
+#: targets below leave no room for one pair's luck.
 PROCESSES = 3
 QUICK_PROCESSES = 1
 #: Targets, as ratios of flat + policy to a baseline of the same run: per step row at most plain
