@@ -54,10 +54,9 @@ TAG = "@bench "
 #: their processes). By default glibc moves its mmap threshold with what a process freed so far and
 #: hands the top of the heap back to the system, so a step takes its large buffers from fresh pages:
 #: about 2,000 page faults per step of the mixed-precision GPT-2 row (1,860 to 2,290 from one
-#: process to the next, for every contender alike), about a tenth of the step. Which processes fault
-#: more is luck: the same contender in three processes, timed in turns, differed by up to 14%. With
-#: the threshold fixed at glibc's largest (32 MiB) and no trimming, a step keeps its memory (0 to
-#: 70 faults) and three processes of a contender agree within 1.5%. PyTorch's CPU tuning guide
+#: process to the next, for every contender alike), about a tenth of the step, and which processes
+#: fault more is luck (:func:`time_across_processes`). With the threshold fixed at glibc's largest
+#: (32 MiB) and no trimming, a step keeps its memory (0 to 70 faults). PyTorch's CPU tuning guide
 #: gives the same advice (an allocator that keeps freed memory: jemalloc, tcmalloc).
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
 

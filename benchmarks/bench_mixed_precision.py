@@ -86,10 +86,8 @@ ROWS = (STEP1, STEP4, FWD_BWD)
 #: time, so a round's first calls pay for waking it up); the whole workload takes about 6 minutes.
 ROUNDS = 9
 ROUND_FACTOR = 3
-#: Processes per contender (``--quick``: 1), asked in rotation, 3 rounds each: a process's page
-#: faults and memory placement set its step time for its whole life (three processes of one
-#: contender: up to 14% apart with glibc's defaults, within 1.5% with the heap kept), and the 1.00x
-#: targets below leave no room for one pair's luck.
+#: Processes per contender (``--quick``: 1), asked in rotation, 3 rounds each: the 1.00x targets below
+#: leave no room for one pair of processes' luck (:func:`~benchmarks._processes.time_across_processes`).
 PROCESSES = 3
 QUICK_PROCESSES = 1
 #: Targets, as ratios of flat + policy to a baseline of the same run: per step row at most plain
@@ -513,8 +511,8 @@ def _timing_table(
         )
     table.notes.append(
         f"{rounds} rounds per row, contenders alternating (forward, then reverse order), each "
-        f"contender in {processes} processes of its own asked in rotation (a process's memory "
-        "placement moves its time for its whole life); median time per call and half the "
+        f"contender in {processes} processes of its own asked in rotation (a process's page faults "
+        "and memory placement set its time for its whole life); median time per call and half the "
         "interquartile range; ratios are the median over rounds of the contender's time over the "
         "baseline's in the same round (seconds apart, so that the machine's drifting load cancels), "
         "lower is faster. Autocast adds "

@@ -55,7 +55,7 @@ def test_time_across_processes_asks_each_contenders_processes_in_rotation_in_alt
     serve_pid = (
         "import os, sys, time\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from benchmarks._processes import emit, serve\n"
+        "from benchmarks._processes import serve\n"
         "serve(lambda what: {'pid': os.getpid(), 'what': what, 'at': time.monotonic_ns()})\n"
     )
     workers = {
