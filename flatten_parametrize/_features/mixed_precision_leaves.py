@@ -62,8 +62,8 @@ __all__ = ["LeafCompute"]
 #: ``(module, attribute, leaf, compute view)`` of each swap, to put the leaf back.
 _Swap = tuple[nn.Module, str, Tensor, Tensor]
 
-#: ``(owner, key of its pre-hook, key of its hook)`` of an owner whose hooks are out for a forward.
-_Muted = tuple[nn.Module, int, int]
+#: ``(forward pre-hooks, key of ours, forward hooks, key of ours)`` of a module that owns leaves.
+_Hooks = tuple[dict[int, Any], int, dict[int, Any], int]
 
 #: Each module that owns leaves of a group with a compute copy -> its storage's :class:`LeafCompute`.
 _OWNER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref[LeafCompute]] = weakref.WeakKeyDictionary()
@@ -139,9 +139,9 @@ class LeafCompute:
         self._stack: list[list[_Swap]] = []
         #: Forwards of the registered module running: every leaf is swapped, an owner's call needs nothing.
         self._root_depth = 0
-        #: The modules that own leaves, and those whose hooks are out for the registered module's forward.
-        self._owners: list[nn.Module] = []
-        self._muted: list[_Muted] = []
+        #: The hooks of the modules that own leaves, and those out for the registered module's forward.
+        self._owners: list[_Hooks] = []
+        self._muted: list[_Hooks] = []
         self._storage_ref: weakref.ref[Coordinator] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -154,7 +154,7 @@ class LeafCompute:
         tx.on_undo(self._forget)  # the leaves' classes, counts and hooks are undone one by one
         self._groups = {g: self._note(groups[g], modules, live, tx) for g in self._indices}
         owners = {id(m): m for record in self._groups.values() for m, _, _, _ in record.targets}
-        self._owners = list(owners.values())
+        self._owners = [hooks for owner in owners.values() if (hooks := _hooks_of(owner)) is not None]
 
     def _note(
         self, group: Group, modules: dict[str, nn.Module], live: set[str], tx: Transaction
@@ -317,7 +317,15 @@ def _put_back(done: list[_Swap]) -> None:
             module._parameters[attr] = leaf  # type: ignore[assignment]
 
 
-def _mute(owners: list[nn.Module]) -> list[_Muted]:
+def _hooks_of(owner: nn.Module) -> _Hooks | None:
+    """Return ``owner``'s hook dicts and the keys of this mode's hooks in them (``None``: not hooked)."""
+    pre, post = owner._forward_pre_hooks, owner._forward_hooks
+    pre_key = next((key for key, hook in pre.items() if hook is _owner_before), None)
+    post_key = next((key for key, hook in post.items() if hook is _owner_after), None)
+    return None if pre_key is None or post_key is None else (pre, pre_key, post, post_key)
+
+
+def _mute(owners: list[_Hooks]) -> list[_Hooks]:
     """Take the owners' hooks out of their dicts for the registered module's forward.
 
     Inside that forward every leaf is swapped already, so the owners' hooks would do
@@ -325,29 +333,25 @@ def _mute(owners: list[nn.Module]) -> list[_Muted]:
     an owner whose forward hooks are ours alone is muted; :func:`_unmute` puts the
     hooks back first in their dicts, where they were.
     """
-    muted: list[_Muted] = []
-    for owner in owners:
-        pre, post = owner._forward_pre_hooks, owner._forward_hooks
-        if len(pre) == 1 and len(post) == 1:
-            ((pre_key, before),) = pre.items()
-            ((post_key, after),) = post.items()
-            if before is _owner_before and after is _owner_after:
-                pre.clear()
-                post.clear()
-                muted.append((owner, pre_key, post_key))
+    muted: list[_Hooks] = []
+    for hooks in owners:
+        pre, pre_key, post, post_key = hooks
+        if len(pre) == 1 and len(post) == 1 and pre_key in pre and post_key in post:
+            pre.clear()
+            post.clear()
+            muted.append(hooks)
     return muted
 
 
-def _unmute(muted: list[_Muted]) -> None:
+def _unmute(muted: list[_Hooks]) -> None:
     """Put back the hooks :func:`_mute` took out (before any registered since); empty ``muted``."""
     while muted:
-        owner, pre_key, post_key = muted.pop()
-        for hooks, key, hook in (
-            (owner._forward_pre_hooks, pre_key, _owner_before),
-            (owner._forward_hooks, post_key, _owner_after),
-        ):
-            hooks[key] = hook
-            hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
+        pre, pre_key, post, post_key = muted.pop()
+        pre[pre_key] = _owner_before
+        post[post_key] = _owner_after
+        for hooks, key in ((pre, pre_key), (post, post_key)):
+            if len(hooks) > 1:
+                hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
 
 
 def _forgetting(owner: nn.Module) -> Callable[[], None]:

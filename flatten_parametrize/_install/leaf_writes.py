@@ -85,7 +85,7 @@ class LeafWatch:
         storage: the coordinator, in unflattened mode.
     """
 
-    __slots__ = ("_edges", "_names")
+    __slots__ = ("_edges", "_names", "_quick")
 
     def __init__(self, storage: Coordinator) -> None:
         modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
@@ -113,6 +113,29 @@ class LeafWatch:
                     key = (id(parent), parts[depth])
                     edges[key] = (path, weakref.ref(parent), weakref.ref(modules[path]))
         self._edges = list(edges.items())
+        #: What :meth:`_unchanged` compares at each sync point: per name ``(owner, its parameter dict,
+        #: attribute, leaf, data pointer, dtype)``, per module edge ``(parent, its module dict, key, child)``.
+        kept = self._names
+        self._quick = (
+            tuple((n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype) for n in kept),
+            tuple((p, _dict(p, "_modules"), key, c) for (_, key), (_, p, c) in self._edges),
+        )
+
+    def _unchanged(self) -> bool:
+        """Return whether every name holds its leaf, with its memory, under the same modules (fast)."""
+        names, edges = self._quick
+        try:
+            for owner, params, attr, leaf, ptr, dtype in names:
+                if params.get(attr) is not leaf or leaf.data_ptr() != ptr or leaf.dtype is not dtype:
+                    return False
+                if _dict(owner, "_parameters") is not params:
+                    return False
+        except RuntimeError:  # a leaf without storage (functorch wrappers): the full comparison says what
+            return False
+        return all(
+            modules.get(key) is child() and _dict(parent, "_modules") is modules
+            for parent, modules, key, child in edges
+        )
 
     def changed(self) -> tuple[str, str] | None:
         """Return what outside code changed since, as ``(kind, sentence naming it)``, or ``None``.
@@ -122,6 +145,8 @@ class LeafWatch:
         broken), :data:`REHOSTS` for a submodule replaced or a tensor that cannot
         live in a flat buffer, :data:`LANDS` for values that fit the slot.
         """
+        if self._unchanged():
+            return None
         found: tuple[str, str] | None = None
         for (_, key), (path, parent_ref, child_ref) in self._edges:
             parent, child = parent_ref(), child_ref()
@@ -168,6 +193,12 @@ def _change(name: _Name, current: Any) -> tuple[str, str] | None:
 
 
 _MISSING: Any = object()
+
+
+def _dict(ref: weakref.ref[nn.Module], which: str) -> Any:
+    """Return the ``_parameters`` or ``_modules`` dict of ``ref``'s module (``None`` once it is gone)."""
+    module = ref()
+    return None if module is None else module.__dict__[which]
 
 
 def _ptr(tensor: Tensor) -> int:

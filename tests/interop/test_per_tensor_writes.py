@@ -104,7 +104,17 @@ def test_crop_block_size_then_training_over_flat_params_matches_the_plain_model(
 
 @pytest.mark.parametrize(
     "write",
-    ["setattr", "register_parameter", "_parameters", "data", "submodule", "to_double", "none"],
+    [
+        "setattr",
+        "register_parameter",
+        "_parameters",
+        "parameters_dict",
+        "data",
+        "data_same_memory",
+        "submodule",
+        "to_double",
+        "none",
+    ],
 )
 def test_every_write_path_lands_in_the_storage_or_lays_it_out_again(write):
     """Whatever the write, the next call on the storage sees the plain model's parameters and values."""
@@ -117,8 +127,12 @@ def test_every_write_path_lands_in_the_storage_or_lays_it_out_again(write):
             m.fc.register_parameter("weight", nn.Parameter(new))
         elif write == "_parameters":
             m.fc._parameters["weight"] = nn.Parameter(new)
+        elif write == "parameters_dict":  # a new dict in place of the module's (model surgery code)
+            vars(m.fc)["_parameters"] = {**m.fc._parameters, "weight": nn.Parameter(new)}
         elif write == "data":
             m.fc.weight.data = new
+        elif write == "data_same_memory":  # the same memory under another dtype: only the dtype tells
+            m.fc.weight.data = m.fc.weight.data.view(torch.bfloat16)[:, ::2]
         elif write == "submodule":
             torch.manual_seed(9)
             m.fc = nn.Linear(4, 4)
@@ -131,6 +145,10 @@ def test_every_write_path_lands_in_the_storage_or_lays_it_out_again(write):
         with pytest.warns(UserWarning, match=r"fc\.weight \(a tensor of float64, not float32\)"):
             views = dict(storage.named_views())
         assert set(views) == plain_names - {"fc.weight", "fc.bias"}
+    elif write == "data_same_memory":
+        with pytest.warns(UserWarning, match=r"fc\.weight \(a tensor of bfloat16, not float32\)"):
+            views = dict(storage.named_views())
+        assert set(views) == plain_names - {"fc.weight"}
     elif write == "submodule":  # a new module's parameters stay ordinary (SPEC "Structure changes")
         views = dict(storage.named_views())
         assert set(views) == plain_names - {"fc.weight", "fc.bias"}
@@ -141,7 +159,7 @@ def test_every_write_path_lands_in_the_storage_or_lays_it_out_again(write):
         for name, view in views.items():
             assert torch.equal(view, plain.get_parameter(name)), name
             assert model.get_parameter(name).data_ptr() == view.data_ptr(), name  # the leaf is the slot
-    if write == "to_double":  # neither model computes with a float64 fc and float32 inputs
+    if write in ("to_double", "data_same_memory"):  # neither model computes with mixed dtypes
         return
     _loss(model, _tokens()).backward()
     _loss(plain, _tokens()).backward()

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize._core.leaf_grads import LeafGrads
 
 from _helpers import cast_per_forward, twin
 
@@ -263,6 +264,58 @@ def test_a_backward_that_raises_leaves_no_gradient_in_the_slots_it_filled():
     assert torch.equal(grads["embed.weight"], plain.embed.weight.grad)
     assert model.up.weight.grad is None and grads["up.weight"] is None
     assert not storage.views_of([storage.flat_params[0].grad])["up.weight"].any()  # the plain model's zeros
+
+
+def _hooks_of(model: nn.Module) -> list[list[object]]:
+    return [list(p._post_accumulate_grad_hooks.values()) for p in model.parameters()]
+
+
+def test_leaf_hooks_sit_out_a_backward_nothing_waits_for_and_come_back_in_their_place(monkeypatch):
+    """No hook on the flat parameter: backward calls none of the library's leaf hooks (a user's leaf hook
+    still runs), the gradients are the reference's, and the hooks are back after it, also after a raise."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    landed: list[int] = []
+    monkeypatch.setattr(LeafGrads, "landed", lambda self, task: landed.append(task))
+    seen: list[torch.Tensor] = []
+    model.up.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    hooks = _hooks_of(model)
+    assert len(model.up.weight._post_accumulate_grad_hooks) == 2  # the library's, then the user's
+    batch = _batches(1)[0]
+    _loss(model(batch)).backward()
+    _loss(reference(batch)).backward()
+    assert landed == [] and len(seen) == 1 and torch.equal(seen[0], plain.up.weight.grad)
+    assert _hooks_of(model) == hooks  # the same hooks, in the same order (the library's first)
+    for name, grad in storage.named_grads():
+        assert torch.equal(grad, plain.get_parameter(name).grad), name
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("stop here")
+
+    failing = model.up.weight.register_post_accumulate_grad_hook(fail)  # raises after the gradients landed
+    with pytest.raises(RuntimeError, match="stop here"):
+        _loss(model(batch)).backward()
+    failing.remove()
+    assert _hooks_of(model) == hooks and landed == []
+
+
+def test_a_hook_put_on_the_flat_parameter_after_the_forward_runs_in_that_backward():
+    """The leaves' hooks stay for a backward that something waits for, even one hooked after the forward."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    batch = _batches(1)[0]
+    out = model(batch)
+    flat = storage.flat_params[0]
+    got: list[torch.Tensor] = []
+    flat.register_post_accumulate_grad_hook(lambda p: got.append(p.grad.clone()))
+    _loss(out).backward()
+    _loss(reference(batch)).backward()
+    assert len(got) == 1
+    expected = storage.views_of([got[0]])
+    for name, param in plain.named_parameters():
+        assert torch.equal(expected[name], param.grad), name
 
 
 def test_a_forward_that_raises_puts_the_leaves_back():
