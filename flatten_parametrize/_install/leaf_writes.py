@@ -132,10 +132,11 @@ class LeafWatch:
                     return False
         except RuntimeError:  # a leaf without storage (functorch wrappers): the full comparison says what
             return False
-        return all(
-            modules.get(key) is child() and _dict(parent, "_modules") is modules
-            for parent, modules, key, child in edges
-        )
+        for parent, modules, key, child in edges:
+            module = child()  # a module deleted and gone: its key may be gone too (None is None)
+            if module is None or modules.get(key) is not module or _dict(parent, "_modules") is not modules:
+                return False
+        return True
 
     def changed(self) -> tuple[str, str] | None:
         """Return what outside code changed since, as ``(kind, sentence naming it)``, or ``None``.

@@ -12,6 +12,8 @@ parameters are copied in :func:`crop_block_size`, as the issue that asked for th
 from __future__ import annotations
 
 import copy
+import gc
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -237,3 +239,22 @@ def test_a_deep_copy_in_per_tensor_mode_aliases_its_own_flat_buffers():
         other.fc.weight.add_(1.0)
     assert torch.equal(dict(storage.views_of(storage.flat_params))["fc.weight"], other.fc.weight)
     assert not torch.equal(model.fc.weight, other.fc.weight)
+
+
+def test_a_deleted_submodule_leaves_the_storage_while_a_module_below_it_lives_on():
+    """`del model.block`, a module below it kept alive: the storage sees the plain model's names."""
+    model = nn.Sequential(OrderedDict(block=nn.Sequential(nn.Linear(4, 4)), head=nn.Linear(4, 2)))
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    kept = model.block[0]
+    del model.block
+    gc.collect()
+    assert (
+        set(dict(storage.named_views()))
+        == {name for name, _ in model.named_parameters()}
+        == {
+            "head.weight",
+            "head.bias",
+        }
+    )
+    assert kept.weight.shape == (4, 4)  # the module below lives on, outside the model
