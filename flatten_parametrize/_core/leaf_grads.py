@@ -28,7 +28,11 @@ gradient owner (``grad.GroupGrad``):
   backward will accumulate, and the last of them runs that end at once,
   during backward, so that the group's reduction overlaps the rest of
   backward as a flat parameter's does (a leaf whose gradient never comes,
-  e.g. a node that returned none, leaves it to the backward's end);
+  e.g. a node that returned none, leaves it to the backward's end). Under a
+  mixed-precision policy the backward lands each gradient in its slot itself
+  (:meth:`LeafGrads.receive`); when nothing waits for the flat gradient during
+  it, the hooks sit that backward out (``_Quiet``) and reading the flat
+  gradient does the pass below;
 * reading the flat gradient does the same pass (:meth:`LeafGrads.reconcile`):
   it is ``None`` while every leaf's gradient is ``None``; otherwise a gradient
   assigned to a leaf (``p.grad = t``) is copied into its slot first and the
