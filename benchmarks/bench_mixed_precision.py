@@ -447,7 +447,7 @@ def run(settings: Settings) -> Report:
             for row in ROWS:
                 key = f"{model}/{row}"
                 found = time_across_processes(workers, key, rounds[model])
-                results[key] = {n: Samples([m["seconds"] for m in rounds]) for n, rounds in found.items()}
+                results[key] = {n: Samples([m["seconds"] for m in answers]) for n, answers in found.items()}
         quality = {}
         for name in QUALITY:  # one at a time: each trains on its own
             workers[name][0].send("go quality")
