@@ -87,11 +87,9 @@ class LeafGrads:
         "_accumulators",
         "_claims",
         "_ended",
-        "_entries",
         "_flat",
         "_gap_ranges",
         "_handles",
-        "_hook",
         "_left",
         "_positions",
         "_quiet_task",
@@ -120,9 +118,6 @@ class LeafGrads:
         self._left = 0
         self._ended = False
         self._handles: list[RemovableHandle] = []
-        #: The leaves' hook, and ``(hook dict, key)`` of each leaf's entry (for :class:`_Quiet`).
-        self._hook: Callable[[Tensor], None] | None = None
-        self._entries: list[tuple[dict[int, Any], int]] = []
         #: The backward whose :meth:`receive` took the hooks out (``-1``: none).
         self._quiet_task = -1
         #: Member index -> position in ``leaves``.
@@ -148,17 +143,14 @@ class LeafGrads:
         flat = self._flat()
         if self._handles or flat is None or not flat.requires_grad:
             return
-        hook = self._hook = _landing(weakref.ref(self))
+        hook = _landing(weakref.ref(self))
         self._handles = [leaf.register_post_accumulate_grad_hook(hook) for leaf in self.leaves]
-        entries = ((handle.hooks_dict_ref(), handle.id) for handle in self._handles)
-        self._entries = [(hooks, key) for hooks, key in entries if hooks is not None]
 
     def close(self) -> None:
         """Unhook the leaves and forget the backward in flight (per-tensor mode ends)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._entries = []
         self._quiet_task = -1
         self._regions = None
         self._claims.clear()
@@ -314,7 +306,7 @@ class LeafGrads:
         forward+backward. Grad sync and ``ShardedOptimizer`` hook the flat parameter: then the
         leaves' hooks stay, to reduce during backward. The hooks are back when the backward ends.
         """
-        if self._quiet_task == task or not self._entries or flat is None:
+        if self._quiet_task == task or not self._handles or flat is None:
             return
         if not has_post_accumulate_grad_hooks(flat):
             self._quiet_task = task
@@ -332,7 +324,7 @@ class LeafGrads:
     def _accumulates(self, position: int) -> bool:
         """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
         try:
-            return bool(will_execute(self._accumulators.get(position) or self._accumulator(position)))
+            return bool(will_execute(self._accumulator(position)))
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
             return False
 
@@ -411,24 +403,23 @@ class _Quiet:
 
     def __init__(self, owner: LeafGrads) -> None:
         self._owner = weakref.ref(owner)
-        self._source = owner._entries
-        self._entries: list[tuple[dict[int, Any], int, bool]] = []
-        for hooks, key in self._source:
-            if len(hooks) == 1:  # the library's alone: the common case
-                if key in hooks:
-                    hooks.clear()
-                    self._entries.append((hooks, key, True))
-            elif key in hooks:
-                self._entries.append((hooks, key, next(iter(hooks)) == key))
-                del hooks[key]
+        self._source = owner._handles
+        #: ``(hook dict, key, hook, whether it was first)`` of each entry taken out.
+        self._entries: list[tuple[dict[int, Any], int, Any, bool]] = []
+        for handle in self._source:
+            hooks, key = handle.hooks_dict_ref(), handle.id
+            if hooks is None or key not in hooks:
+                continue
+            first = next(iter(hooks)) == key
+            self._entries.append((hooks, key, hooks.pop(key), first))
 
     def __call__(self) -> None:
         entries, self._entries = self._entries, []
         owner = self._owner()
-        if owner is None or owner._entries is not self._source:
+        if owner is None or owner._handles is not self._source:
             return
-        for hooks, key, first in entries:
-            hooks[key] = owner._hook
+        for hooks, key, hook, first in entries:
+            hooks[key] = hook
             if first and len(hooks) > 1:
                 hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
 
