@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,6 +44,7 @@ __all__ = [
     "serve",
     "started",
     "time_across_processes",
+    "time_calls",
     "time_in_turns",
     "time_round",
 ]
@@ -148,16 +150,28 @@ def time_round(
 ) -> float:
     """Return the seconds per call of one round of row ``what`` (calibrated by :func:`calls_per_round`).
 
+    The mean of :func:`time_calls`.
+    """
+    return statistics.fmean(time_calls(calls, what, fn, warmup, round_s))
+
+
+def time_calls(
+    calls: dict[str, int], what: str, fn: Callable[[], object], warmup: int, round_s: float
+) -> list[float]:
+    """Return the seconds of each call of one round of row ``what`` (calibrated by :func:`calls_per_round`).
+
     A round of several calls starts with one untimed call: the first pass after another row
     (or a mode switch) pays for that switch. A row of one call per round is timed as it comes.
     """
     n = calls_per_round(calls, what, fn, warmup, round_s)
     if n > 1:
         fn()
-    start = time.perf_counter()
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         fn()
-    return (time.perf_counter() - start) / n
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def free_ports(n: int) -> list[int]:

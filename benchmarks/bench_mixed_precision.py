@@ -6,7 +6,9 @@ per model: a training step with fused AdamW over 1 and over 4 micro-batches,
 and forward+backward alone. Contenders, each in :data:`PROCESSES` processes of
 its own, timed in turns, each round asking the next of a contender's processes
 (``benchmarks/_processes.py``, :func:`~benchmarks._processes.time_across_processes`), every
-process with glibc's heap kept (:data:`~benchmarks._processes.STEADY_HEAP`: no page faults per step):
+process with glibc's heap kept (:data:`~benchmarks._processes.STEADY_HEAP`: no page faults per step);
+rounds of about 0.1 s, as many as fill :data:`ROW_SECONDS` per row, every call's time kept in
+:data:`CALLS_FILE`:
 
 * ``plain float32``: the plain model;
 * ``plain autocast``: the plain model under ``torch.autocast("cpu", torch.bfloat16)``;
@@ -36,7 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _mixed_precision_ranks as ranks
-from benchmarks._processes import STEADY_HEAP, Worker, emit, serve, started, time_across_processes, time_round
+from benchmarks._processes import STEADY_HEAP, Worker, emit, serve, started, time_across_processes, time_calls
 from benchmarks._timing import (
     Report,
     Samples,
@@ -81,17 +85,20 @@ MODELS = ("encoder", "gpt2")
 QUICK_MODELS = ("encoder",)
 STEP1, STEP4, FWD_BWD = "step, 1 micro-batch", "step, 4 micro-batches", "forward+backward"
 ROWS = (STEP1, STEP4, FWD_BWD)
-#: Timed rounds at most, and each round's length as a multiple of the run's ``round_s``: a round
-#: of 3 x 0.2 s holds several steps of every row but the 4-micro-batch ones (one process runs at a
-#: time, so a round's first calls pay for waking it up); the whole workload takes about 13 minutes.
-ROUNDS = 9
-ROUND_FACTOR = 3
-#: The GPT-2's rows take this many times the rounds: its calls are short (40 ms) and its per-round
-#: ratios vary by +-5% on a 2-CPU VM (load bursts shorter than a second hit one contender's round),
-#: so that the median of 9 rounds of its forward+backward moved by 3% from one block of 9 rounds to the
-#: next in the same processes. 18 rounds (6 per process) add about two minutes to the run.
-MORE_ROUNDS = {"gpt2": 2}
-#: Processes per contender (``--quick``: 1), asked in rotation (3 rounds each, 6 for the GPT-2): the
+#: Each round's length as a multiple of the run's ``round_s`` (0.1 s): one step of the 1-micro-batch and
+#: forward+backward rows of the encoder, a few of the GPT-2's (after one untimed call), one 4-micro-batch
+#: step. Short rounds keep the seven contenders of a round within about a second of each other: on a
+#: 2-CPU VM a process's speed drifts by 10-30% over seconds (every contender alike), and a ratio of two
+#: contenders timed seconds apart takes that drift in (rounds of 0.6 s: per-round ratios +-5-18%).
+ROUND_FACTOR = 0.5
+#: Seconds of timed rounds per row: the first round of a row (each process's warm-up and calibration)
+#: is left out, and its length sets the row's rounds (:data:`MIN_ROUNDS` to :data:`MAX_ROUNDS`), so that
+#: a row of short calls takes many rounds and the whole workload about 13 minutes on any machine.
+ROW_SECONDS = 80
+MIN_ROUNDS, MAX_ROUNDS = 9, 300
+#: Where a run keeps every timed call (row -> contender -> round -> seconds), under ``--out``.
+CALLS_FILE = "mixed_precision_calls.json"
+#: Processes per contender (``--quick``: 1), asked in rotation (round r asks process r % 3): the
 #: 1.00x targets below leave no room for one pair of processes' luck
 #: (:func:`~benchmarks._processes.time_across_processes`).
 PROCESSES = 3
@@ -400,7 +407,7 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
     def measure(what: str) -> dict[str, Any]:
         if what == "quality":
             return _quality(contender, size)
-        return {"seconds": time_round(calls, what, rows[what], config["warmup"], config["round_s"])}
+        return {"calls": time_calls(calls, what, rows[what], config["warmup"], config["round_s"])}
 
     serve(measure)
 
@@ -437,7 +444,8 @@ def run(settings: Settings) -> Report:
     }
     pairs = ranks.start(settings, size)  # built and calibrated while the workers above are, timed last
     results: dict[str, dict[str, Samples]] = {}
-    rounds = {model: min(settings.rounds, ROUNDS) * MORE_ROUNDS.get(model, 1) for model in models}
+    per_call: dict[str, dict[str, list[list[float]]]] = {}  # row -> contender -> round -> seconds per call
+    rounds: dict[str, int] = {}
     everyone = [w for ws in (*workers.values(), *pairs.values()) for w in ws]
     with started(everyone, timeout=1500):
         built = {name: [w.receive()["memory"] for w in ws] for name, ws in workers.items()}
@@ -446,19 +454,23 @@ def run(settings: Settings) -> Report:
         for model in models:
             for row in ROWS:
                 key = f"{model}/{row}"
-                found = time_across_processes(workers, key, rounds[model])
-                results[key] = {n: Samples([m["seconds"] for m in answers]) for n, answers in found.items()}
+                rounds[key] = _rounds(workers, key, settings)
+                found = time_across_processes(workers, key, rounds[key])
+                per_call[key] = {n: [m["calls"] for m in answers] for n, answers in found.items()}
+                results[key] = {
+                    n: Samples([statistics.median(c) for c in rs]) for n, rs in per_call[key].items()
+                }
         quality = {}
         for name in QUALITY:  # one at a time: each trains on its own
             workers[name][0].send("go quality")
             quality[name] = workers[name][0].receive()
         on_ranks = ranks.table(pairs, ready, settings, size)
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    (settings.out_dir / CALLS_FILE).write_text(json.dumps(per_call))
     report = Report()
     for model in models:
         report.tables.append(
-            _timing_table(
-                model, size, results, memory[FP32][model]["params"], memory, rounds[model], processes
-            )
+            _timing_table(model, size, results, memory[FP32][model]["params"], memory, rounds, processes)
         )
         for row in ROWS:
             res = results[f"{model}/{row}"]
@@ -478,13 +490,30 @@ def run(settings: Settings) -> Report:
     return report
 
 
+def _rounds(workers: dict[str, list[Worker]], key: str, settings: Settings) -> int:
+    """Warm up and calibrate row ``key`` in every process (one untimed round); return its timed rounds.
+
+    ``--quick`` times ``settings.rounds``; a full run fills :data:`ROW_SECONDS` with rounds as long as
+    the slowest process's first round.
+    """
+    first: dict[str, list[float]] = {name: [] for name in workers}
+    for name, processes in workers.items():
+        for worker in processes:
+            worker.send(f"go {key}")
+            first[name].append(sum(worker.receive()["calls"]))
+    if settings.quick:
+        return settings.rounds
+    cycle = sum(max(seconds) for seconds in first.values())
+    return max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil(ROW_SECONDS / cycle)))
+
+
 def _timing_table(
     model: str,
     size: dict[str, Any],
     results: dict[str, dict[str, Samples]],
     params: int,
     memory: dict[str, Any],
-    rounds: int,
+    rounds: dict[str, int],
     processes: int,
 ) -> Table:
     s = size[model]
@@ -517,13 +546,14 @@ def _timing_table(
             fmt_ratio(paired_ratio(results[f"{model}/{FWD_BWD}"], name, BF16)),
             _bytes(m),
         )
+    counts = ", ".join(f"{row} {rounds[f'{model}/{row}']}" for row in ROWS)
     table.notes.append(
-        f"{rounds} rounds per row, contenders alternating (forward, then reverse order), each "
-        f"contender in {processes} processes of its own asked in rotation (a process's page faults "
-        "and memory placement set its time for its whole life); median time per call and half the "
-        "interquartile range; ratios are the median over rounds of the contender's time over the "
-        "baseline's in the same round (seconds apart, so that the machine's drifting load cancels), "
-        "lower is faster. Autocast adds "
+        f"Rounds per row: {counts} (after one untimed round), contenders alternating (forward, then "
+        f"reverse order), each contender in {processes} processes of its own asked in rotation (a "
+        "process's page faults and memory placement set its time for its whole life); a round's time "
+        "is the median of its calls; median over rounds and half the interquartile range; ratios are "
+        "the median over rounds of the contender's time over the baseline's in the same round (about "
+        "a second apart, so that the machine's drifting load cancels), lower is faster. Autocast adds "
         "per-use casts that live until backward ends (not counted in bytes/param); AdamW state (8 "
         "bytes/param in the master's dtype, 4 for pure bfloat16) comes on top."
     )

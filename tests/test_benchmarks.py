@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,6 +95,16 @@ def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
     ):
         assert f"| {contender} " in out, contender
     assert "4 + 2 + 4 = 10" in out and "FAILED" not in out
+    assert "Rounds per row: step, 1 micro-batch 5, step, 4 micro-batches 5, forward+backward 5" in out
+    kept = json.loads((tmp_path / "mixed_precision_calls.json").read_text())  # every timed call, by round
+    assert sorted(kept) == [
+        "encoder/forward+backward",
+        "encoder/step, 1 micro-batch",
+        "encoder/step, 4 micro-batches",
+    ]
+    for per_contender in kept.values():
+        assert len(per_contender) == 7
+        assert all(len(rounds) == 5 and all(calls for calls in rounds) for rounds in per_contender.values())
     assert "### Mixed precision on 2 gloo ranks" in out
     for contender in ("FSDP2 + mp_policy", "flat + policy + grad sync", "flat + policy + ZeRO-2"):
         assert f"| {contender} " in out, contender

@@ -87,6 +87,7 @@ class LeafGrads:
         "_accumulators",
         "_claims",
         "_ended",
+        "_entries",
         "_flat",
         "_gap_ranges",
         "_handles",
@@ -118,6 +119,9 @@ class LeafGrads:
         self._left = 0
         self._ended = False
         self._handles: list[RemovableHandle] = []
+        #: ``(hook dict, key)`` of each leaf's hook, as :class:`_Quiet` takes them out (looked up once:
+        #: asking the 28 handles of a small GPT-2 at each backward cost more than the hooks' calls saved).
+        self._entries: list[tuple[dict[int, Any], int]] = []
         #: The backward whose :meth:`receive` took the hooks out (``-1``: none).
         self._quiet_task = -1
         #: Member index -> position in ``leaves``.
@@ -145,12 +149,14 @@ class LeafGrads:
             return
         hook = _landing(weakref.ref(self))
         self._handles = [leaf.register_post_accumulate_grad_hook(hook) for leaf in self.leaves]
+        self._entries = [(hooks, h.id) for h in self._handles if (hooks := h.hooks_dict_ref()) is not None]
 
     def close(self) -> None:
         """Unhook the leaves and forget the backward in flight (per-tensor mode ends)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._entries = []
         self._quiet_task = -1
         self._regions = None
         self._claims.clear()
@@ -404,14 +410,12 @@ class _Quiet:
     def __init__(self, owner: LeafGrads) -> None:
         self._owner = weakref.ref(owner)
         self._source = owner._handles
-        #: ``(hook dict, key, hook, whether it was first)`` of each entry taken out.
+        #: ``(hook dict, key, hook, whether it was first of several)`` of each entry taken out.
         self._entries: list[tuple[dict[int, Any], int, Any, bool]] = []
-        for handle in self._source:
-            hooks, key = handle.hooks_dict_ref(), handle.id
-            if hooks is None or key not in hooks:
-                continue
-            first = next(iter(hooks)) == key
-            self._entries.append((hooks, key, hooks.pop(key), first))
+        for hooks, key in owner._entries:
+            if key in hooks:
+                first = len(hooks) > 1 and next(iter(hooks)) == key
+                self._entries.append((hooks, key, hooks.pop(key), first))
 
     def __call__(self) -> None:
         entries, self._entries = self._entries, []
@@ -420,7 +424,7 @@ class _Quiet:
             return
         for hooks, key, hook, first in entries:
             hooks[key] = hook
-            if first and len(hooks) > 1:
+            if first:
                 hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
 
     __del__ = __call__
