@@ -24,7 +24,10 @@ Lamb's trust ratio) carry into the weights relative to the update's size: within
 eigenbases of these tiny, rank-deficient preconditioners turn an ulp into a different basis, so on 3
 ranks every rank trains on the same batches: a sum of three equal values is the same in any order, and
 the weights are equal bit for bit (the cuts and owners are the 3-rank ones; the 2-rank run, with a batch
-per rank, is the one that shows the averaging).
+per rank, is the one that shows the averaging). SOAP's eigendecompositions run in MKL's LAPACK, whose
+results by default depend on more than the values: on an AMD EPYC the 3-rank ZeRO-2 run's weights and the
+reference's differed (on an Intel Xeon they were equal); the ranks run with ``MKL_CBWR=COMPATIBLE``
+(MKL's conditional numerical reproducibility), which makes them equal on both.
 """
 
 from __future__ import annotations
@@ -249,7 +252,9 @@ def _worker(rank: int, world: int, outdir: Any, timm: Any) -> None:
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
 def launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     worker = functools.partial(_worker, timm=timm_folder())
-    return launch_gloo(worker, tmp_path_factory.mktemp(f"recipes{request.param}"), world=request.param)
+    with pytest.MonkeyPatch.context() as env:  # the spawned ranks inherit it
+        env.setenv("MKL_CBWR", "COMPATIBLE")  # SOAP's eigenbases bit for bit on every CPU: see above
+        return launch_gloo(worker, tmp_path_factory.mktemp(f"recipes{request.param}"), world=request.param)
 
 
 @pytest.mark.parametrize("zero", [1, 2], ids=["ZeRO-1", "ZeRO-2"])
