@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row", choices=sorted(ROWS), default="1")
     args = call_by_call_arguments(parser, argv, turns=30)
     row = ROWS[args.row]
-    names = [bench.AUTOCAST, bench.BF16, bench.HAND, bench.POLICY, bench.PT_POLICY]
+    names = [bench.AUTOCAST, bench.BF16, bench.HAND, bench.LEAN, bench.POLICY, bench.PT_POLICY]
     base = bench.BF16 if row == bench.FWD_BWD else bench.AUTOCAST
     size = bench._size(args.quick)  # --quick: the GPT-2 is a torch-only stand-in
     calls = {}

@@ -17,6 +17,11 @@ rounds of about 0.1 s, as many as fill :data:`ROW_SECONDS` per row, every call's
 * ``hand-written mixed``: the plain model's float32 masters cast by hand to
   bfloat16 leaves once per step (per-parameter casts), micro-batches through
   ``functional_call``, each bf16 gradient added into the master's float32 ``.grad``;
+* ``lean mixed (floor)``: the floor of per-tensor mixed precision, no per-forward work at all:
+  ``model.bfloat16()`` computes, a float32 master per parameter is cast into its weight once per
+  step (one ``_foreach_copy_``), each micro-batch's bfloat16 gradients are added into the masters'
+  float32 gradients (one foreach call), fused AdamW steps the masters. Any per-tensor scheme with
+  float32 masters does at least this; not held to the targets;
 * ``flat + policy``: ``register_flat_storage(model, mixed_precision=MixedPrecisionPolicy(bf16))``;
 * ``per-tensor + policy``: the same, then ``storage.unflatten()`` for the whole run (float32 leaf
   parameters stepped by the optimizer, each forward computing with the bf16 compute copy).
@@ -65,16 +70,17 @@ from benchmarks._timing import (
 
 __all__ = ["CONTENDERS", "run"]
 
-FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY, PT_POLICY = (
+FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, LEAN, POLICY, PT_POLICY = (
     "plain float32",
     "plain autocast",
     "flat autocast",
     "plain bfloat16",
     "hand-written mixed",
+    "lean mixed (floor)",
     "flat + policy",
     "per-tensor + policy",
 )
-CONTENDERS = (FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, POLICY, PT_POLICY)
+CONTENDERS = (FP32, AUTOCAST, FLAT_AUTOCAST, BF16, HAND, LEAN, POLICY, PT_POLICY)
 #: The contenders held to :data:`TARGETS`.
 CHECKED = (POLICY, PT_POLICY)
 #: The contenders of the quality run.
@@ -87,7 +93,7 @@ STEP1, STEP4, FWD_BWD = "step, 1 micro-batch", "step, 4 micro-batches", "forward
 ROWS = (STEP1, STEP4, FWD_BWD)
 #: Each round's length as a multiple of the run's ``round_s`` (0.1 s): one step of the 1-micro-batch and
 #: forward+backward rows of the encoder, a few of the GPT-2's (after one untimed call), one 4-micro-batch
-#: step. Short rounds keep the seven contenders of a round within about a second of each other: on a
+#: step. Short rounds keep the eight contenders of a round within about a second of each other: on a
 #: 2-CPU VM a process's speed drifts by 10-30% over seconds (every contender alike), and a ratio of two
 #: contenders timed seconds apart takes that drift in (rounds of 0.6 s: per-round ratios +-5-18%).
 ROUND_FACTOR = 0.5
@@ -234,6 +240,7 @@ class _Trainer:
         self.cast_batch = contender == BF16
         self.compute_bytes = 0
         self.hand = contender == HAND
+        self.lean = contender == LEAN
         if contender == FLAT_AUTOCAST:
             register_flat_storage(model)
         elif contender in (POLICY, PT_POLICY):
@@ -247,10 +254,17 @@ class _Trainer:
             model = model.bfloat16()
         elif contender == HAND:
             self.compute_bytes = 2
+        elif contender == LEAN:
+            masters = [p.detach().clone().requires_grad_() for p in model.parameters() if p.requires_grad]
+            model = model.bfloat16()
+            self.cast_batch = True
+            self.compute_bytes = 2
+            #: The bfloat16 weights the model computes with, in the order of the masters.
+            self.weights = [p for p in model.parameters() if p.requires_grad]
         elif contender not in (FP32, AUTOCAST):
             raise SystemExit(f"unknown contender {contender!r}; choose from {list(CONTENDERS)}")
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = masters if self.lean else [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
         if self.hand:
             named = dict(model.named_parameters())
@@ -289,7 +303,27 @@ class _Trainer:
         with self.context():
             out = self.loss(self.model, self._batch(x))
         out.backward()
+        if self.lean:
+            self._lean_gradients()
         return out
+
+    def _lean_gradients(self) -> None:
+        """Add the bfloat16 weights' gradients into the float32 masters' (one foreach call), drop them."""
+        import torch
+
+        with torch.no_grad():
+            pairs = [(m, w.grad) for m, w in zip(self.params, self.weights) if w.grad is not None]
+            if all(m.grad is None for m, _ in pairs):
+                for m, _ in pairs:
+                    m.grad = torch.empty_like(m)
+                torch._foreach_copy_([m.grad for m, _ in pairs], [g for _, g in pairs])
+            else:
+                for m, _ in pairs:
+                    if m.grad is None:
+                        m.grad = torch.zeros_like(m)
+                torch._foreach_add_([m.grad for m, _ in pairs], [g for _, g in pairs])
+            for w in self.weights:
+                w.grad = None
 
     def _hand_model(self, *args: Any, **kwargs: Any) -> Any:
         """The plain model called with the bfloat16 copies of its weights (floating inputs cast too)."""
@@ -311,6 +345,9 @@ class _Trainer:
             with torch.no_grad():
                 for name, p in zip(self.names, self.params):
                     self.low[name].copy_(p)
+        if self.lean:
+            with torch.no_grad():
+                torch._foreach_copy_(self.weights, self.params)
         for x in batches:
             out = self.forward_backward(x)
         self.opt.step()
@@ -370,6 +407,9 @@ def loss_of(trainer: _Trainer, ids: Any) -> Any:
             for name, p in zip(trainer.names, trainer.params):
                 trainer.low[name].copy_(p)
         return trainer.loss(trainer._hand_model, ids)
+    if trainer.lean:
+        with torch.no_grad():
+            torch._foreach_copy_(trainer.weights, trainer.params)
     with trainer.context():
         return trainer.loss(trainer.model, ids)
 
@@ -526,7 +566,7 @@ def _timing_table(
     table = Table(
         f"Mixed precision, {model} ({what}, {params:,} params), fused AdamW",
         ["contender", *ROWS, "/ float32 (1 mb)", "/ autocast (1 mb)", "/ autocast (4 mb)",
-         "/ hand-written (1 mb)", "/ hand-written (4 mb)", "fwd+bwd / bf16",
+         "/ hand-written (1 mb)", "/ hand-written (4 mb)", "/ floor (1 mb)", "fwd+bwd / bf16",
          "bytes/param (master + compute + grad)"],
     )  # fmt: skip
     for name in CONTENDERS:
@@ -543,6 +583,7 @@ def _timing_table(
             fmt_ratio(paired_ratio(results[f"{model}/{STEP4}"], name, AUTOCAST)),
             fmt_ratio(paired_ratio(results[f"{model}/{STEP1}"], name, HAND)),
             fmt_ratio(paired_ratio(results[f"{model}/{STEP4}"], name, HAND)),
+            fmt_ratio(paired_ratio(results[f"{model}/{STEP1}"], name, LEAN)),
             fmt_ratio(paired_ratio(results[f"{model}/{FWD_BWD}"], name, BF16)),
             _bytes(m),
         )

@@ -91,7 +91,9 @@ def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
         "flat autocast",
         "plain bfloat16",
         "hand-written mixed",
+        "lean mixed (floor)",
         "flat + policy",
+        "per-tensor + policy",
     ):
         assert f"| {contender} " in out, contender
     assert "4 + 2 + 4 = 10" in out and "FAILED" not in out
@@ -103,11 +105,38 @@ def test_mixed_precision_quick_run_prints_its_tables(tmp_path: Path) -> None:
         "encoder/step, 4 micro-batches",
     ]
     for per_contender in kept.values():
-        assert len(per_contender) == 7
+        assert len(per_contender) == 8
         assert all(len(rounds) == 5 and all(calls for calls in rounds) for rounds in per_contender.values())
     assert "### Mixed precision on 2 gloo ranks" in out
     for contender in ("FSDP2 + mp_policy", "flat + policy + grad sync", "flat + policy + ZeRO-2"):
         assert f"| {contender} " in out, contender
+
+
+@pytest.mark.parametrize("model", ["encoder", "gpt2"])
+def test_mixed_precision_floor_does_the_hand_written_loops_arithmetic_bit_for_bit(model: str) -> None:
+    """The floor contender (``lean mixed``) does all of mixed precision's work, without per-forward costs.
+
+    A floor that skipped a cast or an accumulation would not be a floor: after two 4-micro-batch steps its
+    float32 masters equal the hand-written loop's and per-tensor mode's to the last bit.
+    """
+    import torch
+
+    from benchmarks import bench_mixed_precision as bench
+
+    size = bench._size(quick=True)
+    masters = {}
+    for contender in (bench.HAND, bench.LEAN, bench.PT_POLICY):
+        torch.manual_seed(0)
+        built, batches, loss = bench._build(model, size)
+        trainer = bench._Trainer(contender, built, loss)
+        for _ in range(2):
+            trainer.step(batches)
+        masters[contender] = [p.detach().clone() for p in trainer.params]
+    assert len(masters[bench.LEAN]) == len(masters[bench.HAND]) > 1
+    for contender in (bench.LEAN, bench.PT_POLICY):
+        for mine, theirs in zip(masters[contender], masters[bench.HAND]):
+            assert mine.dtype == torch.float32
+            assert torch.equal(mine, theirs), contender
 
 
 @pytest.mark.parametrize("row", ["1", "fb"])
@@ -117,7 +146,13 @@ def test_mixed_precision_in_process_ab_prints_every_contender(tmp_path: Path, ro
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     base = "plain bfloat16" if row == "fb" else "plain autocast"
     assert f"ratios to {base} (lower is faster)" in done.stdout
-    for contender in ("plain autocast", "plain bfloat16", "hand-written mixed", "flat + policy"):
+    for contender in (
+        "plain autocast",
+        "plain bfloat16",
+        "hand-written mixed",
+        "lean mixed (floor)",
+        "flat + policy",
+    ):
         assert f"| {contender} | " in done.stdout, contender
 
 
