@@ -241,6 +241,7 @@ class _Trainer:
         self.compute_bytes = 0
         self.hand = contender == HAND
         self.lean = contender == LEAN
+        masters: list[Any] = []  # the lean loop's float32 masters (the optimizer's parameters)
         if contender == FLAT_AUTOCAST:
             register_flat_storage(model)
         elif contender in (POLICY, PT_POLICY):
