@@ -33,10 +33,8 @@ def _call(trainer: bench._Trainer, batches: list[torch.Tensor], row: str) -> Cal
 
     def forward_backward() -> None:
         trainer.opt.zero_grad()
-        if trainer.hand:
-            with torch.no_grad():
-                for name, p in zip(trainer.names, trainer.params):
-                    trainer.low[name].copy_(p)
+        if trainer.hand:  # as the workload's forward+backward row
+            trainer.cast_in()
         trainer.forward_backward(batches[0])
 
     return forward_backward

@@ -337,18 +337,22 @@ class _Trainer:
         args, kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
         return torch.func.functional_call(self.model, self.low, args, kwargs)
 
-    def step(self, batches: list[Any]) -> Any:
-        """One optimizer step over ``batches`` (micro-batches)."""
+    def cast_in(self) -> None:
+        """Cast the float32 masters into the bfloat16 weights the loop computes with (hand-written, lean)."""
         import torch
 
-        self.opt.zero_grad()
-        if self.hand:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.hand:
                 for name, p in zip(self.names, self.params):
                     self.low[name].copy_(p)
-        if self.lean:
-            with torch.no_grad():
+            elif self.lean:
                 torch._foreach_copy_(self.weights, self.params)
+
+    def step(self, batches: list[Any]) -> Any:
+        """One optimizer step over ``batches`` (micro-batches)."""
+
+        self.opt.zero_grad()
+        self.cast_in()
         for x in batches:
             out = self.forward_backward(x)
         self.opt.step()
@@ -401,16 +405,10 @@ def _quality(contender: str, size: dict[str, Any]) -> dict[str, float]:
 
 def loss_of(trainer: _Trainer, ids: Any) -> Any:
     """Evaluate the contender's loss on ``ids`` (its own compute path, no gradient)."""
-    import torch
 
+    trainer.cast_in()
     if trainer.hand:
-        with torch.no_grad():
-            for name, p in zip(trainer.names, trainer.params):
-                trainer.low[name].copy_(p)
         return trainer.loss(trainer._hand_model, ids)
-    if trainer.lean:
-        with torch.no_grad():
-            torch._foreach_copy_(trainer.weights, trainer.params)
     with trainer.context():
         return trainer.loss(trainer.model, ids)
 
@@ -431,10 +429,8 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
         def fb(t: _Trainer = trainer, b: list[Any] = batches) -> None:
             for p in t.params:
                 p.grad = None
-            if t.hand:
-                with torch.no_grad():
-                    for n, p in zip(t.names, t.params):
-                        t.low[n].copy_(p)
+            if t.hand:  # the hand-written loop casts per forward+backward; the others have cast already
+                t.cast_in()
             t.forward_backward(b[0])
 
         rows[f"{name}/{STEP1}"] = lambda t=trainer, b=batches: t.step(b[:1])
