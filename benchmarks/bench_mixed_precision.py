@@ -4,7 +4,10 @@ Models: a 6-layer ``nn.TransformerEncoder`` (d_model 256, 4 heads, feed-forward
 1024, batch 8 x 64) and a tiny GPT-2 built from a config (transformers). Rows
 per model: a training step with fused AdamW over 1 and over 4 micro-batches,
 and forward+backward alone. Contenders, each in :data:`PROCESSES` processes of
-its own, timed in turns, each round asking the next of a contender's processes
+its own per model (the GPT-2's started after the encoder's have exited: a process
+that ran the encoder's steps first times the GPT-2's up to 10% slower, the
+per-tensor contenders more than the others), timed in turns, each round asking
+the next of a contender's processes
 (``benchmarks/_processes.py``, :func:`~benchmarks._processes.time_across_processes`), every
 process with glibc's heap kept (:data:`~benchmarks._processes.STEADY_HEAP`: no page faults per step);
 rounds of about 0.1 s, as many as fill :data:`ROW_SECONDS` per row, every call's time kept in
@@ -414,30 +417,29 @@ def loss_of(trainer: _Trainer, ids: Any) -> Any:
 
 
 def _worker(contender: str, config: dict[str, Any]) -> None:
-    """Build both models for one contender, then answer ``go <model>/<row>`` lines (calibrated at first)."""
+    """Build ``config["model"]`` for one contender, then answer ``go <model>/<row>`` and ``go quality``."""
     import torch
 
     torch.set_num_threads(config["threads"])
     torch.set_flush_denormal(True)
-    size = config["size"]
-    rows: dict[str, Callable[[], None]] = {}
-    memory = {}
-    for name in QUICK_MODELS if config["quick"] else MODELS:
-        model, batches, loss = _build(name, size)
-        trainer = _Trainer(contender, model, loss)
+    size, name = config["size"], config["model"]
+    model, batches, loss = _build(name, size)
+    trainer = _Trainer(contender, model, loss)
 
-        def fb(t: _Trainer = trainer, b: list[Any] = batches) -> None:
-            for p in t.params:
-                p.grad = None
-            if t.hand:  # the hand-written loop casts per forward+backward; the others have cast already
-                t.cast_in()
-            t.forward_backward(b[0])
+    def fb() -> None:
+        for p in trainer.params:
+            p.grad = None
+        if trainer.hand:  # the hand-written loop casts per forward+backward; the others have cast already
+            trainer.cast_in()
+        trainer.forward_backward(batches[0])
 
-        rows[f"{name}/{STEP1}"] = lambda t=trainer, b=batches: t.step(b[:1])
-        rows[f"{name}/{STEP4}"] = lambda t=trainer, b=batches: t.step(b)
-        rows[f"{name}/{FWD_BWD}"] = fb
-        trainer.step(batches[:1])
-        memory[name] = trainer.bytes_per_param()
+    rows: dict[str, Callable[[], None]] = {
+        f"{name}/{STEP1}": lambda: trainer.step(batches[:1]),
+        f"{name}/{STEP4}": lambda: trainer.step(batches),
+        f"{name}/{FWD_BWD}": fb,
+    }
+    trainer.step(batches[:1])
+    memory = {name: trainer.bytes_per_param()}
     emit({"memory": memory})
     calls: dict[str, int] = {}
 
@@ -453,14 +455,13 @@ def _worker(contender: str, config: dict[str, Any]) -> None:
 
 
 def run(settings: Settings) -> Report:
-    """Time every row of both models for every contender (one process each), then the quality run."""
+    """Time every row of each model for every contender (processes per model), then the quality run."""
     size = _size(settings.quick)
     config = {
         "size": size,
         "threads": settings.threads,
         "warmup": settings.warmup,
         "round_s": settings.round_s * (1 if settings.quick else ROUND_FACTOR),
-        "quick": settings.quick,
     }
     models = QUICK_MODELS if settings.quick else MODELS
     root = str(Path(__file__).resolve().parent.parent)
@@ -472,35 +473,46 @@ def run(settings: Settings) -> Report:
     }
     command = [sys.executable, "-m", "benchmarks.bench_mixed_precision", "--worker"]
     processes = QUICK_PROCESSES if settings.quick else PROCESSES
-    workers = {
-        name: [
-            Worker([*command, name, json.dumps(config)], f"bench_mixed_precision: {name!r} #{i}", env)
-            for i in range(processes)
-        ]
-        for name in CONTENDERS
-    }
-    pairs = ranks.start(settings, size)  # built and calibrated while the workers above are, timed last
+
+    def workers_of(model: str) -> dict[str, list[Worker]]:
+        argument = json.dumps({**config, "model": model})
+        return {
+            name: [
+                Worker([*command, name, argument], f"bench_mixed_precision: {name!r} {model} #{i}", env)
+                for i in range(processes)
+            ]
+            for name in CONTENDERS
+        }
+
     results: dict[str, dict[str, Samples]] = {}
     per_call: dict[str, dict[str, list[list[float]]]] = {}  # row -> contender -> round -> seconds per call
     rounds: dict[str, int] = {}
-    everyone = [w for ws in (*workers.values(), *pairs.values()) for w in ws]
-    with started(everyone, timeout=1500):
-        built = {name: [w.receive()["memory"] for w in ws] for name, ws in workers.items()}
-        memory = {name: reports[0] for name, reports in built.items()}  # a contender's processes agree
-        ready = ranks.wait_ready(pairs)  # nothing but the timed worker runs from here on
+    memory: dict[str, dict[str, Any]] = {name: {} for name in CONTENDERS}
+    quality = {}
+    pairs = ranks.start(settings, size)  # built while the first model's workers are, timed last
+    with started([w for pair in pairs.values() for w in pair], timeout=2400):
+        ready: dict[str, list[dict[str, Any]]] | None = None
         for model in models:
-            for row in ROWS:
-                key = f"{model}/{row}"
-                rounds[key] = _rounds(workers, key, settings)
-                found = time_across_processes(workers, key, rounds[key])
-                per_call[key] = {n: [m["calls"] for m in answers] for n, answers in found.items()}
-                results[key] = {
-                    n: Samples([statistics.median(c) for c in rs]) for n, rs in per_call[key].items()
-                }
-        quality = {}
-        for name in QUALITY:  # one at a time: each trains on its own
-            workers[name][0].send("go quality")
-            quality[name] = workers[name][0].receive()
+            workers = workers_of(model)
+            with started([w for ws in workers.values() for w in ws], timeout=1500):
+                for name, ws in workers.items():
+                    reports = [w.receive()["memory"] for w in ws]
+                    memory[name].update(reports[0])  # a contender's processes agree
+                if ready is None:
+                    ready = ranks.wait_ready(pairs)  # nothing but the timed worker runs from here on
+                for row in ROWS:
+                    key = f"{model}/{row}"
+                    rounds[key] = _rounds(workers, key, settings)
+                    found = time_across_processes(workers, key, rounds[key])
+                    per_call[key] = {n: [m["calls"] for m in answers] for n, answers in found.items()}
+                    results[key] = {
+                        n: Samples([statistics.median(c) for c in rs]) for n, rs in per_call[key].items()
+                    }
+                if model == models[-1]:
+                    for name in QUALITY:  # one at a time: each trains on its own
+                        workers[name][0].send("go quality")
+                        quality[name] = workers[name][0].receive()
+        assert ready is not None
         on_ranks = ranks.table(pairs, ready, settings, size)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     (settings.out_dir / CALLS_FILE).write_text(json.dumps(per_call))
