@@ -297,10 +297,10 @@ class LeafGrads:
                 for (where, position, _), target in zip(direct, targets):
                     claims.add(position)
                     out[where] = target.view_as(target)  # a tensor of its own: autograd may keep it
-            if rest:
-                converted = _converted([grad for _, grad in rest], dtype)
-                for (where, _), grad in zip(rest, converted):
-                    out[where] = grad
+        if rest:  # create_graph: the conversion is part of each gradient's graph (grad mode is on)
+            converted = _converted([grad for _, grad in rest], dtype)
+            for (where, _), grad in zip(rest, converted):
+                out[where] = grad
         return out
 
     def _quiet(self, task: int, flat: Tensor | None) -> None:
@@ -439,7 +439,7 @@ def _converted(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:
     if (
         dtype is None
         or any(grad.dtype == dtype or type(grad) is not Tensor for grad in grads)
-        or (torch.is_grad_enabled())
+        or torch.is_grad_enabled()
     ):
         return [grad if dtype is None else grad.to(dtype) for grad in grads]
     buffer = torch.empty(sum(grad.numel() for grad in grads), dtype=dtype, device=grads[0].device)

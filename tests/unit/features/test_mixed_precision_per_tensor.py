@@ -44,7 +44,7 @@ def _batches(n: int, vocab: int = 13) -> list[torch.Tensor]:
 
 
 def _per_tensor(plain: nn.Module, how: str = "unflatten") -> tuple[nn.Module, object]:
-    """A flattened twin of ``plain`` with a bf16 policy, put in per-tensor mode ``how``."""
+    """A flattened twin of ``plain`` with a bf16 policy in per-tensor mode ``how`` (``"flat"``: left flat)."""
     model = twin(plain)
     storage = register_flat_storage(model, mixed_precision=BF16)
     if how == "unflatten":
@@ -226,6 +226,59 @@ def test_autograd_grad_returns_gradients_of_their_own_and_leaves_the_slots_alone
     kept = [g.clone() for g in grads]
     _loss(model(_batches(2)[1])).backward()
     assert all(torch.equal(g, k) for g, k in zip(grads, kept))
+
+
+@pytest.mark.parametrize("mode", ["per-tensor", "flat"])
+@pytest.mark.parametrize("how", ["autograd.grad", "backward"])
+def test_a_gradient_penalty_under_the_policy_differentiates_the_gradients_as_the_reference(mode, how):
+    """``create_graph=True``: the gradients keep their graph through the cast, the penalty trains.
+
+    A penalty on the parameters' gradients (``sum(g**2)``, added to the loss) backpropagates
+    through them: a gradient without a graph would drop the penalty's part of the update with no
+    word. Each gradient, and each parameter's gradient after the penalty's backward, equals the
+    reference's bit for bit.
+    """
+    plain = _ReadsAWeight()
+    model, storage = _per_tensor(plain, "unflatten" if mode == "per-tensor" else "flat")
+    reference = cast_per_forward(plain)
+    batch = _batches(1)[0]
+    found = []
+    for net, forward in ((model, model), (plain, reference)):
+        loss = _loss(forward(batch))
+        params = list(net.parameters())
+        if how == "autograd.grad":
+            grads = torch.autograd.grad(loss, params, create_graph=True)
+            total = loss + sum(g.pow(2).sum() for g in grads)
+        else:
+            loss.backward(create_graph=True)
+            grads = tuple(p.grad for p in params)
+            total = sum(g.pow(2).sum() for g in grads)
+            net.zero_grad()
+        assert all(g.requires_grad for g in grads)
+        found.append(grads)
+        total.backward()
+    if mode == "per-tensor":  # one gradient per leaf, as on the plain model
+        assert all(torch.equal(g, e) for g, e in zip(*found))
+    for name, grad in storage.named_grads():
+        assert torch.equal(grad, plain.get_parameter(name).grad), name
+
+
+@pytest.mark.parametrize("mode", ["per-tensor", "flat"])
+def test_two_forwards_before_one_backward_add_their_gradients_in_param_dtype(mode):
+    """One compute copy serves both forwards: their gradients add up in bf16, then convert once.
+
+    The reference casts the float32 weights once for both forwards (the docs' statement); a cast
+    per forward would add the two in float32.
+    """
+    plain = Block()
+    model, storage = _per_tensor(plain, "unflatten" if mode == "per-tensor" else "flat")
+    weights = {name: p.to(torch.bfloat16) for name, p in plain.named_parameters()}
+    first, second = _batches(2)
+    (_loss(model(first)) + _loss(model(second))).backward()
+    once = [_loss(torch.func.functional_call(plain, weights, (b,))) for b in (first, second)]
+    (once[0] + once[1]).backward()
+    for name, grad in storage.named_grads():
+        assert torch.equal(grad, plain.get_parameter(name).grad), name
 
 
 def _weight_read_before_forward(model: nn.Module, hook) -> torch.Tensor:  # type: ignore[no-untyped-def]
