@@ -102,7 +102,7 @@ ROWS = (STEP1, STEP4, FWD_BWD)
 ROUND_FACTOR = 0.5
 #: Seconds of timed rounds per row: the first round of a row (each process's warm-up and calibration)
 #: is left out, and its length sets the row's rounds (:data:`MIN_ROUNDS` to :data:`MAX_ROUNDS`), so that
-#: a row of short calls takes many rounds and the whole workload about 13 minutes on any machine.
+#: a row of short calls takes many rounds and the whole workload about 16 minutes on any machine.
 ROW_SECONDS = 80
 MIN_ROUNDS, MAX_ROUNDS = 9, 300
 #: Where a run keeps every timed call (row -> contender -> round -> seconds), under ``--out``.
