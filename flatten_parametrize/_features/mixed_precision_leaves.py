@@ -38,7 +38,9 @@ and puts the leaf back after it (also when the forward raised):
   moves a version counter: ``_core/master_leaf.py``) are looked up. One cast
   per group after a change, none for a forward when nothing changed.
 * Under ``torch.compile`` and tracing the swap puts ``leaf.to(param_dtype)`` in
-  the leaf's place: the cast is part of the graph, nothing is cached.
+  the leaf's place: the cast is part of the graph, nothing is cached. A tensor
+  that ``torch.func.functional_call`` put in a leaf's place for its call is cast
+  so too (the forward's sync point leaves it there: ``_install/leaf_writes.py``).
 """
 
 from __future__ import annotations
@@ -241,29 +243,43 @@ class LeafCompute:
     def _swap(self, owner: nn.Module | None) -> list[_Swap]:
         done: list[_Swap] = []
         compiling = compiling_or_tracing()
-        traced: dict[int, Tensor] = {}  # compiling: one cast per leaf, also for a tied one
+        traced: dict[int, Tensor] = {}  # casts in the graph (compiling, or functional_call's tensors)
         for g, record in self._groups.items():
             targets = record.targets if owner is None else record.by_module.get(id(owner))
             if not targets:
                 continue
             views = None if compiling else self._views(g, record)
             for module, attr, index, leaf in targets:
-                if module._parameters.get(attr) is not leaf:
-                    continue  # swapped already, or replaced by outside code
-                if views is not None:
+                current = module._parameters.get(attr)
+                if current is leaf and views is not None:
                     view = views[index]
-                elif id(leaf) in traced:
-                    view = traced[id(leaf)]
+                elif current is leaf or (current is not None and self._substitute(g, current)):
+                    if id(current) not in traced:  # one cast per tensor, also for a tied one
+                        traced[id(current)] = self._cast(g, current)
+                    view = traced[id(current)]
                 else:
-                    view = traced[id(leaf)] = self._traced(g, leaf)
+                    continue  # swapped already (an outer forward's view)
                 module._parameters[attr] = view  # type: ignore[assignment]  # a non-leaf, as FSDP2
-                done.append((module, attr, leaf, view))
+                done.append((module, attr, current, view))
         return done
 
-    def _traced(self, g: int, leaf: Tensor) -> Tensor:
+    def _dtype(self, g: int) -> torch.dtype | None:
         storage = self._storage_ref() if self._storage_ref is not None else None
-        dtype = storage.groups()[g].views.cast if storage is not None else None
-        return leaf if dtype is None else leaf.to(dtype)
+        return storage.groups()[g].views.cast if storage is not None else None
+
+    def _substitute(self, g: int, tensor: Tensor) -> bool:
+        """Return whether ``tensor``, in a leaf's place, is ``functional_call``'s (a floating tensor to cast).
+
+        The forward's sync point lets such a tensor be (``leaf_writes.settle``): it computes in the
+        group's ``param_dtype`` as the leaf would, through a cast its gradient flows back through.
+        """
+        dtype = self._dtype(g)
+        return isinstance(tensor, Tensor) and tensor.is_floating_point() and dtype not in (None, tensor.dtype)
+
+    def _cast(self, g: int, tensor: Tensor) -> Tensor:
+        """Return ``tensor`` cast to group ``g``'s ``param_dtype``, the cast part of the graph."""
+        dtype = self._dtype(g)
+        return tensor if dtype is None else tensor.to(dtype)
 
     def _views(self, g: int, record: _GroupLeaves) -> list[Tensor] | dict[int, Tensor]:
         """Return group ``g``'s compute views by slot index, cast first if a leaf changed since then."""

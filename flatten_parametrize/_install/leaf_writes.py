@@ -28,19 +28,25 @@ The sync points: every call on the ``FlatStorage`` that works on the buffers
 cannot land itself), and the registered module's forward while a feature works on the flat buffers during
 training (gradient sync, a ``ShardedOptimizer``, mixed precision's compute
 copies: ``per_tensor.py``), so that no parameter that trains is skipped by
-gradient sync. A layout held by a feature (``_core/features.py``) cannot follow:
-that is refused with the holder named and the ways out.
+gradient sync. A forward run by ``torch.func.functional_call`` is no sync point: the
+tensors in the parameters' places are that call's, put back when it returns
+(nothing lands; the model and the storage stay as they were). A layout held by
+a feature (``_core/features.py``) cannot follow: that is refused with the holder
+named and the ways out.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import stateless
 
 from .._core.features import layout_holders, refuse_held_layout
 from .._core.fit import misfit
@@ -230,6 +236,8 @@ def settle(core: Any, what: str | None = None) -> Any:
     found = watch.changed()
     if found is None or (what == "flatten()" and found[0] != RELAYS):  # flatten() lands the rest itself
         return core
+    if what is None and _in_functional_call():  # its substitutes, for the length of that call only
+        return core
     change = found[1]
     holders = layout_holders(core)
     if holders and what is not None:
@@ -254,6 +262,22 @@ def settle(core: Any, what: str | None = None) -> Any:
     if what != "flatten()":
         new.unflatten()
     return new
+
+
+#: The code of ``torch.func.functional_call``'s body (``torch.nn.utils.stateless``): a forward run inside it
+#: computes with the tensors it was given, put in the parameters' places for that call and put back after.
+_FUNCTIONAL_CALL = getattr(stateless, "_functional_call", None)
+_FUNCTIONAL_CODE = None if _FUNCTIONAL_CALL is None else _FUNCTIONAL_CALL.__code__
+
+
+def _in_functional_call() -> bool:
+    """Return whether ``torch.func.functional_call`` is running the forward that asks."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _FUNCTIONAL_CODE:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def flatten_relaid(core: Any) -> bool:

@@ -11,14 +11,17 @@ parameters are copied in :func:`crop_block_size`, as the issue that asked for th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
@@ -211,6 +214,58 @@ def test_grad_sync_reduces_a_parameter_replaced_before_the_forward():
     assert reduced == [total] and storage.flat_params[0].numel() == total
     storage.broadcast_params()  # the new layout: nothing refused
     assert torch.equal(model.wpe.weight, plain.wpe.weight)
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("feature", ["grad sync", "policy"])
+@pytest.mark.parametrize("given", ["tensors", "parameters"])
+@pytest.mark.parametrize("how", ["unflatten()", "unflattened()"])
+def test_functional_call_in_per_tensor_mode_computes_with_its_tensors_and_lands_nothing(feature, given, how):
+    """``torch.func.functional_call`` puts its tensors in the leaves' places for one call: no outside write.
+
+    With a feature that makes the forward a sync point (grad sync, a bf16 policy), its tensors
+    (plain tensors, or another model's parameters of the same shapes) were taken as replaced
+    parameters: their values were written into the flat buffers and the storage laid out again (the
+    model's weights changed with no word), or under a policy the call failed with torch's
+    ``_cast_inputs() missing 1 required positional argument``. Now the call computes as on the
+    plain model (under the policy with its tensors cast to bf16), its gradients reach its tensors,
+    and the model, its flat buffers and the storage are as before.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if feature == "policy" else None
+    plain = _GPTish()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=policy)
+    if feature == "grad sync":
+        storage.enable_grad_sync()
+    if how == "unflatten()":
+        storage.unflatten()
+    other = _GPTish()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    given_to = {}
+    for net in ("model", "plain"):
+        source = other if net == "model" else twin(other)
+        given_to[net] = (
+            dict(source.named_parameters())
+            if given == "parameters"
+            else {n: p.detach().clone().requires_grad_() for n, p in source.named_parameters()}
+        )
+    flats = [(flat, flat.detach().clone()) for flat in storage.flat_params]
+    before = model(_tokens())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with storage.unflattened() if how == "unflattened()" else contextlib.nullcontext():
+            out = torch.func.functional_call(model, given_to["model"], (_tokens(),))
+    cast = {n: t.to(torch.bfloat16) if policy else t for n, t in given_to["plain"].items()}
+    expected = torch.func.functional_call(plain, cast, (_tokens(),))
+    assert torch.equal(out, expected)
+    grads = torch.autograd.grad(out.float().pow(2).mean(), list(given_to["model"].values()))
+    wanted = torch.autograd.grad(expected.float().pow(2).mean(), list(given_to["plain"].values()))
+    assert all(torch.equal(g, w) for g, w in zip(grads, wanted))
+    assert all(now is f and torch.equal(now, kept) for now, (f, kept) in zip(storage.flat_params, flats))
+    assert get_flat_storage(model).flat_params[0] is flats[0][0]
+    assert torch.equal(model(_tokens()), before)
 
 
 def test_a_held_layout_refuses_the_change_with_the_holder_and_the_model_keeps_it(tmp_path: Path):
