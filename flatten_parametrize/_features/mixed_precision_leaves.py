@@ -74,6 +74,8 @@ _OWNER_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref[LeafCompute]] = weak
 class _LeafCast(torch.autograd.Function):  # the name shows in graphs: _LeafCastBackward
     """The compute views of one module's leaves as the outputs of one node whose inputs are the leaves."""
 
+    generate_vmap_rule = True  # made inside torch.func.vmap (functional_call's per-sample gradients)
+
     @staticmethod
     def forward(
         views: tuple[Tensor, ...], grads: GroupGrad, indices: tuple[int, ...], *leaves: Tensor
@@ -248,10 +250,11 @@ class LeafCompute:
             targets = record.targets if owner is None else record.by_module.get(id(owner))
             if not targets:
                 continue
-            views = None if compiling else self._views(g, record)
+            views = None  # made at the first leaf found in place: functional_call may have put others there
             for module, attr, index, leaf in targets:
                 current = module._parameters.get(attr)
-                if current is leaf and views is not None:
+                if current is leaf and not compiling:
+                    views = self._views(g, record) if views is None else views
                     view = views[index]
                 elif current is leaf or (current is not None and self._substitute(g, current)):
                     if id(current) not in traced:  # one cast per tensor, also for a tied one

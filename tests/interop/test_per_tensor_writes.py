@@ -268,6 +268,41 @@ def test_functional_call_in_per_tensor_mode_computes_with_its_tensors_and_lands_
     assert torch.equal(model(_tokens()), before)
 
 
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("feature", ["grad sync", "policy"])
+@pytest.mark.parametrize("given", ["every parameter", "fc.weight"])
+def test_per_sample_gradients_through_functional_call_in_per_tensor_mode_are_the_plain_ones(feature, given):
+    """torch.func's recipe, ``vmap(grad(loss))`` over ``functional_call``: the plain model's gradients.
+
+    The tensors given are cast to bf16 under the policy, the other leaves serve their compute
+    views (from a node made inside ``vmap``, at the first call); the model is left as it was.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if feature == "policy" else None
+    plain = _GPTish()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=policy)
+    storage.unflatten()
+    if feature == "grad sync":
+        storage.enable_grad_sync()
+
+    def per_sample(net: nn.Module, cast: bool) -> dict[str, torch.Tensor]:
+        named = dict(net.named_parameters())
+        chosen = {n: p.detach() for n, p in named.items() if given == "every parameter" or n == given}
+
+        def loss(tensors: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+            if cast:  # the reference: every weight cast to bf16 for the forward
+                tensors = {n: tensors.get(n, p).to(torch.bfloat16) for n, p in named.items()}
+            return torch.func.functional_call(net, tensors, (tokens[None],)).float().pow(2).mean()
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(chosen, _tokens())
+
+    kept = [flat.detach().clone() for flat in storage.flat_params]
+    mine, expected = per_sample(model, cast=False), per_sample(plain, cast=policy is not None)
+    assert mine.keys() == expected.keys() and all(torch.equal(mine[n], expected[n]) for n in expected)
+    assert all(torch.equal(flat, k) for flat, k in zip(storage.flat_params, kept))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_held_layout_refuses_the_change_with_the_holder_and_the_model_keeps_it(tmp_path: Path):
     """Offloaded to disk (a layout holder): a whole-buffer call raises naming it; loaded back, it lands."""
     plain, model, storage = _pair()
