@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from flatten_parametrize import get_flat_storage, register_flat_storage
+from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
 
 from _helpers import twin
 
@@ -217,19 +217,20 @@ def test_grad_sync_reduces_a_parameter_replaced_before_the_forward():
 
 
 @pytest.mark.usefixtures("world1")
-@pytest.mark.parametrize("feature", ["grad sync", "policy"])
+@pytest.mark.parametrize("feature", ["grad sync", "policy", "ShardedOptimizer"])
 @pytest.mark.parametrize("given", ["tensors", "parameters"])
 @pytest.mark.parametrize("how", ["unflatten()", "unflattened()"])
 def test_functional_call_in_per_tensor_mode_computes_with_its_tensors_and_lands_nothing(feature, given, how):
     """``torch.func.functional_call`` puts its tensors in the leaves' places for one call: no outside write.
 
-    With a feature that makes the forward a sync point (grad sync, a bf16 policy), its tensors
-    (plain tensors, or another model's parameters of the same shapes) were taken as replaced
-    parameters: their values were written into the flat buffers and the storage laid out again (the
-    model's weights changed with no word), or under a policy the call failed with torch's
-    ``_cast_inputs() missing 1 required positional argument``. Now the call computes as on the
-    plain model (under the policy with its tensors cast to bf16), its gradients reach its tensors,
-    and the model, its flat buffers and the storage are as before.
+    With a feature that makes the forward a sync point (grad sync, a bf16 policy, a
+    ``ShardedOptimizer``), its tensors (plain tensors, or another model's parameters of the same
+    shapes) were taken as replaced parameters: their values were written into the flat buffers and
+    the storage laid out again (the model's weights changed with no word), under a policy the call
+    failed with torch's ``_cast_inputs() missing 1 required positional argument``, and a
+    ``ShardedOptimizer`` refused it as an outside change of the layout it holds. Now the call
+    computes as on the plain model (under the policy with its tensors cast to bf16), its gradients
+    reach its tensors, and the model, its flat buffers and the storage are as before.
     """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if feature == "policy" else None
     plain = _GPTish()
@@ -239,6 +240,8 @@ def test_functional_call_in_per_tensor_mode_computes_with_its_tensors_and_lands_
         storage.enable_grad_sync()
     if how == "unflatten()":
         storage.unflatten()
+    if feature == "ShardedOptimizer":
+        optimizer = ShardedOptimizer(storage, torch.optim.AdamW, lr=0.1)  # noqa: F841  # held while the call runs
     other = _GPTish()
     with torch.no_grad():
         for p in other.parameters():
