@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .._core.caller import caller_level
 from .._core.fit import misfit
@@ -550,9 +551,25 @@ def _give_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> N
 
 
 def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
-    """Flat mode again: ``owner`` gets the library's class, state and container back."""
+    """Flat mode again: ``owner`` gets the library's class, state and container back.
+
+    Raises:
+        RuntimeError: if a torch parametrization was registered on ``owner`` in per-tensor mode
+            (its class would be lost with it; the transaction undoes what was done).
+    """
     if state.injected is None:
         return
+    if type(owner) is not state.prev_class and parametrize.is_parametrized(owner):
+        container = owner._modules["parametrizations"]  # torch's ModuleDict of them
+        names = ", ".join(container._modules if container is not None else ())
+        raise RuntimeError(
+            "a torch parametrization registered in per-tensor mode (after register_flat_storage) cannot "
+            "be flattened, laid out again or removed with the storage: it would be lost; "
+            f"{type(owner).__name__} has one on {names}. Take it off first with "
+            f"torch.nn.utils.parametrize.remove_parametrizations(module, {names.split(', ')[0]!r}, "
+            "leave_parametrized=True) (the weight keeps its values); to train with it, register it "
+            "before the storage: remove_flat_storage(model), apply it, register_flat_storage(model)"
+        )
     tx.keep_dict(owner.__dict__)
     owner.__dict__[MODULE_STATE_ATTR] = state
     UNFLATTENED.pop(owner, None)

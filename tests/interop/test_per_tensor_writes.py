@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
+from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage, remove_flat_storage
 
 from _helpers import twin
 
@@ -304,6 +304,57 @@ def test_per_sample_gradients_through_functional_call_in_per_tensor_mode_are_the
     assert mine.keys() == expected.keys() and all(torch.equal(mine[n], expected[n]) for n in expected)
     assert all(torch.equal(flat, k) for flat, k in zip(storage.flat_params, kept))
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("call", ["flat_params", "flatten()", "remove_flat_storage"])
+def test_a_torch_parametrization_added_in_per_tensor_mode_is_refused_and_kept(call):
+    """weight_norm on a leaf after registration: flattening, laying out or removing refuse; nothing lost.
+
+    Each of them put the library's class back over torch's ``ParametrizedLinear`` and dropped its
+    ``parametrizations``: ``fc`` ended a ``Linear`` without ``weight`` (its weights gone, the next
+    forward torch's ``'Linear' object has no attribute 'weight'``).
+    """
+    plain, model, storage = _pair()
+    for m in (plain, model):
+        nn.utils.parametrizations.weight_norm(m.fc)
+    with pytest.raises(
+        RuntimeError,
+        match=r"torch parametrization registered in per-tensor mode .* "
+        r"ParametrizedLinear has one on weight\. Take it off first",
+    ):
+        if call == "flat_params":
+            storage.flat_params  # noqa: B018
+        elif call == "flatten()":
+            storage.flatten()
+        else:
+            remove_flat_storage(model)
+    assert type(model.fc).__name__ == "ParametrizedLinear" and not storage.is_flattened
+    assert get_flat_storage(model) is not None
+    assert torch.equal(model(_tokens()), plain(_tokens()))
+
+
+def test_the_route_of_the_parametrization_refusal_trains_as_the_plain_model():
+    """As the message says: take it off (values kept), remove the storage, apply it, register again."""
+    plain, model, _ = _pair()
+    for m in (plain, model):
+        nn.utils.parametrizations.weight_norm(m.fc)
+    for m in (plain, model):
+        torch.nn.utils.parametrize.remove_parametrizations(m.fc, "weight", leave_parametrized=True)
+    remove_flat_storage(model)
+    assert type(model.fc) is nn.Linear and torch.equal(model(_tokens()), plain(_tokens()))
+    for m in (plain, model):
+        nn.utils.parametrizations.weight_norm(m.fc)
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(3):
+        for m, opt in zip((model, plain), optimizers):
+            opt.zero_grad()
+            _loss(m, _tokens(step)).backward()
+            opt.step()
+    torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)  # a whole-buffer call: nothing refused
+    for (name, mine), theirs in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(mine, theirs), name
 
 
 def test_a_held_layout_refuses_the_change_with_the_holder_and_the_model_keeps_it(tmp_path: Path):
