@@ -561,12 +561,12 @@ def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> N
         return
     if type(owner) is not state.prev_class and parametrize.is_parametrized(owner):
         container = owner._modules["parametrizations"]  # torch's ModuleDict of them
-        names = ", ".join(container._modules if container is not None else ())
+        names = list(container._modules) if container is not None else []
         raise RuntimeError(
             "a torch parametrization registered in per-tensor mode (after register_flat_storage) cannot "
             "be flattened, laid out again or removed with the storage: it would be lost; "
-            f"{type(owner).__name__} has one on {names}. Take it off first with "
-            f"torch.nn.utils.parametrize.remove_parametrizations(module, {names.split(', ')[0]!r}, "
+            f"{type(owner).__name__} has one on {', '.join(names)}. Take it off first with "
+            f"torch.nn.utils.parametrize.remove_parametrizations(module, {names[0]!r}, "
             "leave_parametrized=True) (the weight keeps its values); to train with it, register it "
             "before the storage: remove_flat_storage(model), apply it, register_flat_storage(model)"
         )

@@ -60,11 +60,17 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).pow(2).mean()
 
 
-def _pair() -> tuple[_GPTish, _GPTish, object]:
+def _pair(
+    policy: MixedPrecisionPolicy | None = None, unflatten: bool = True, grad_sync: bool = False
+) -> tuple[_GPTish, _GPTish, object]:
+    """A model and its flattened twin (with ``policy``, grad sync on), in per-tensor mode if ``unflatten``."""
     plain = _GPTish()
     model = twin(plain)
-    storage = register_flat_storage(model)
-    storage.unflatten()
+    storage = register_flat_storage(model, mixed_precision=policy)
+    if grad_sync:
+        storage.enable_grad_sync()
+    if unflatten:
+        storage.unflatten()
     return plain, model, storage
 
 
@@ -233,13 +239,7 @@ def test_functional_call_in_per_tensor_mode_computes_with_its_tensors_and_lands_
     reach its tensors, and the model, its flat buffers and the storage are as before.
     """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if feature == "policy" else None
-    plain = _GPTish()
-    model = twin(plain)
-    storage = register_flat_storage(model, mixed_precision=policy)
-    if feature == "grad sync":
-        storage.enable_grad_sync()
-    if how == "unflatten()":
-        storage.unflatten()
+    plain, model, storage = _pair(policy, unflatten=how == "unflatten()", grad_sync=feature == "grad sync")
     if feature == "ShardedOptimizer":
         optimizer = ShardedOptimizer(storage, torch.optim.AdamW, lr=0.1)  # noqa: F841  # held while the call runs
     other = _GPTish()
@@ -281,12 +281,7 @@ def test_per_sample_gradients_through_functional_call_in_per_tensor_mode_are_the
     views (from a node made inside ``vmap``, at the first call); the model is left as it was.
     """
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if feature == "policy" else None
-    plain = _GPTish()
-    model = twin(plain)
-    storage = register_flat_storage(model, mixed_precision=policy)
-    storage.unflatten()
-    if feature == "grad sync":
-        storage.enable_grad_sync()
+    plain, model, storage = _pair(policy, grad_sync=feature == "grad sync")
 
     def per_sample(net: nn.Module, cast: bool) -> dict[str, torch.Tensor]:
         named = dict(net.named_parameters())
