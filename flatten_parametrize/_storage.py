@@ -498,7 +498,9 @@ class FlatStorage:
         ``.grad`` on this rank contributes zeros and receives the result, so
         every rank issues the same collectives. In unflattened mode the
         parameters' gradients are written to the flat buffers first and are
-        views of the reduced gradients afterwards.
+        views of the reduced gradients afterwards. The module's parameters
+        that no group holds (and that require grad) are reduced too, one
+        collective per dtype: a gradient no rank produced stays ``None``.
 
         Args:
             group (ProcessGroup, optional): the ranks to reduce over.
@@ -533,8 +535,9 @@ class FlatStorage:
 
         Use it once after building the model so that every rank starts from
         the same weights (DDP does this in its constructor). Every group is
-        broadcast, frozen ones included; buffers (e.g. BatchNorm running
-        statistics) are not part of the flat storage and are left alone.
+        broadcast, frozen ones included, and the module's parameters that no
+        group holds (one collective per dtype); buffers (e.g. BatchNorm running
+        statistics) are left alone.
 
         Args:
             src (int): global rank whose values every rank receives. Default: ``0``.
@@ -556,7 +559,7 @@ class FlatStorage:
         self._feature(GradSync).broadcast(src, group)
 
     def enable_grad_sync(self, group: dist.ProcessGroup | None = None) -> None:
-        """Average every flat gradient across ranks during each backward, as DDP does.
+        """Average the module's gradients across ranks during each backward, as DDP does.
 
         Once enabled, every flat gradient is averaged over ``group`` by the
         time ``loss.backward()`` returns. The collective of a group starts as
@@ -576,8 +579,14 @@ class FlatStorage:
           ranks never wait on each other (like DDP's
           ``find_unused_parameters=True``). Its ``.grad`` is then set, to zeros
           if no rank produced one. Every rank's backward must reach at least
-          one flat parameter.
+          one flat parameter or one parameter that no group holds.
         * Groups that do not require grad are never reduced.
+        * The module's parameters that no group holds (left out at
+          registration, a new head put in after it) are averaged too, as DDP
+          averages every parameter: at the end of each synced backward, one
+          collective per dtype; a gradient no rank produced stays ``None``.
+          They are noticed at the forward (two integer comparisons when
+          nothing was registered since). Every rank must hold the same ones.
         * Inside :meth:`no_sync` nothing is reduced; gradients accumulate
           locally and the next synced backward averages the sum.
         * Backward passes that reach the flat parameters are synced, and in

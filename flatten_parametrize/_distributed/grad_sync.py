@@ -39,6 +39,9 @@ from torch.utils.hooks import RemovableHandle
 from .._core.features import Coordinator, in_flat_mode, storage_of
 from .._core.grad import claim_sync
 from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
+from .outside_params import OutsideParams, outside_params
+from .outside_params import broadcast as broadcast_outside
+from .outside_params import reduce as reduce_outside
 
 __all__ = ["GradSync"]
 
@@ -102,7 +105,9 @@ def _all_reduce(
 class _SyncState:
     """State of ``enable_grad_sync``: hooks, launch order, the backward in flight."""
 
-    def __init__(self, process_group: dist.ProcessGroup | None, world: int, groups: int) -> None:
+    def __init__(
+        self, process_group: dist.ProcessGroup | None, world: int, groups: int, outside: OutsideParams
+    ) -> None:
         self.process_group = process_group
         self.world = world
         self.handles: list[RemovableHandle | None] = [None] * groups
@@ -119,6 +124,8 @@ class _SyncState:
         self.may_prescale = world > 1 and "nccl" not in str(dist.get_backend(process_group))
         #: Launch order shared by all ranks; ``None`` until the first synced backward ends.
         self.order: list[int] | None = None
+        #: The module's parameters outside every storage, averaged at the end of backward.
+        self.outside = outside
         self.begin(None)
 
     def begin(self, task: int | None) -> None:
@@ -230,12 +237,24 @@ class GradSync:
         self.rehook()
 
     def refresh(self) -> None:
-        """Hook a group unfrozen since (``requires_grad_(True)``): nothing notifies that change.
+        """Hook a group unfrozen since (``requires_grad_(True)``), and parameters added outside the groups.
 
-        The core calls this at its sync points, the registered module's
-        forward among them, so the backward of that forward is synced.
+        Nothing notifies those changes. The core calls this at its sync points,
+        the registered module's forward among them, so the backward of that
+        forward is synced.
         """
         self.rehook()
+        self._watch_outside()
+
+    def before_forward(self) -> None:
+        """Per-tensor mode's forward (``_install/per_tensor.py``): watch the parameters outside the groups."""
+        self._watch_outside()
+
+    def _watch_outside(self) -> None:
+        state, storage = self.state, self._storage_ref()
+        root = None if storage is None else storage.module_or_none()
+        if state is not None and root is not None:
+            state.outside.watch(root)
 
     def on_removed(self) -> None:
         """Remove every hook that sync added."""
@@ -269,11 +288,14 @@ class GradSync:
         op = _check_op(op)
         pg, world = checked_process_group(process_group, "all_reduce_grads()")
         storage = self._storage
+        outside = [p for p in outside_params(storage.module) if p.requires_grad]
         with in_flat_mode(storage):
             groups = [g for g in storage.groups() if g.flat.requires_grad]
             works = [_all_reduce(g.grads.dense(g.flat), pg, world, op, g.grads.reduce_dtype) for g in groups]
+            works.append(reduce_outside(outside, pg, world, op, _all_reduce))
             for work in works:
-                work.wait()
+                if work is not None:
+                    work.wait()
 
     def broadcast(self, src: int, process_group: dist.ProcessGroup | None) -> None:
         """Broadcast every flat parameter from ``src`` (see ``FlatStorage.broadcast_params``)."""
@@ -290,6 +312,7 @@ class GradSync:
                 f"{ranks}; got {src}; pass the rank that holds the weights to copy"
             )
         storage = self._storage
+        outside = outside_params(storage.module)
         with in_flat_mode(storage), torch.no_grad():
             data = [g.flat.detach() for g in storage.groups()]
             works = [dist.broadcast(t, src, group=pg, async_op=True) for t in data]
@@ -297,6 +320,7 @@ class GradSync:
                 work.wait()
             for t in data:  # an in-place write: cached views and saved tensors must see it
                 torch.autograd.graph.increment_version(t)
+        broadcast_outside(outside, src, pg)
 
     # ------------------------------------------------------- sync in backward
     def enable(self, process_group: dist.ProcessGroup | None) -> None:
@@ -311,8 +335,10 @@ class GradSync:
         _ = storage.module  # raises for a detached storage
         buffers = [group.grads for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
-        self.state = _SyncState(pg, world, len(storage.groups()))
+        outside = OutsideParams(_outside_hook(weakref.ref(self)))
+        self.state = _SyncState(pg, world, len(storage.groups()), outside)
         self.rehook()
+        self._watch_outside()
         storage.per_tensor.update_hooks()
 
     def disable(self) -> None:
@@ -320,6 +346,7 @@ class GradSync:
         state, self.state = self.state, None
         storage = self._storage_ref()
         if state is not None:
+            state.outside.close()
             for handle in state.handles + state.pre_handles:
                 if handle is not None:
                     handle.remove()
@@ -357,8 +384,8 @@ class GradSync:
             state.hooked[g] = flat
             buffer.add_hook(prescale)
 
-    def grad_ready(self, g: int) -> None:
-        """Hook body: group ``g``'s flat gradient is final for this backward."""
+    def grad_ready(self, g: int | None) -> None:
+        """Hook body: group ``g``'s flat gradient is final for this backward (``None``: an outside one's)."""
         state = self.state
         if state is None or self.is_paused():
             return
@@ -366,7 +393,7 @@ class GradSync:
         if state.task != task:
             state.begin(task)
             queue_callback(lambda: self._backward_end(state))
-        if state.ready[g]:
+        if g is None or state.ready[g]:
             return
         state.ready[g] = True
         state.seen.append(g)
@@ -403,6 +430,11 @@ class GradSync:
         try:
             order = state.order if state.order is not None else list(range(len(self._storage.groups())))
             self._launch(state, order, final=True)
+            self._watch_outside()  # a parameter added since the forward (or used without it)
+            pg, world = state.process_group, state.world
+            outside = reduce_outside(state.outside.training(), pg, world, "mean", _all_reduce)
+            if outside is not None:
+                state.works.append(outside)
             for work in state.works:
                 work.wait()
             if state.order is None:
@@ -429,6 +461,15 @@ def _enable_again(storage: Coordinator, process_group: dist.ProcessGroup | None)
     sync = GradSync(storage)
     storage.add_feature(sync)
     sync.enable(process_group)
+
+
+def _outside_hook(ref: weakref.ref[GradSync]) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        sync = ref()
+        if sync is not None:
+            sync.grad_ready(None)
+
+    return hook
 
 
 def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], None]:

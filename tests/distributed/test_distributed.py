@@ -150,6 +150,85 @@ def _scenario_all_reduce_sum(rank: int, world: int) -> dict[str, Any]:
     return {"local": local, "reduced": storage["0"].grad.clone()}
 
 
+def _scenario_outside_params(rank: int, world: int) -> dict[str, Any]:
+    """Parameters no group holds, under grad sync, in both modes: left out at registration, then a head
+    put in after it (a module holding slots replaced: its parameters are ordinary), then a frozen body
+    whose backward reaches only them. Before, each rank trained them on its own half of the batch."""
+    results: dict[str, Any] = {}
+    for mode in ("flat", "per-tensor"):
+        plain = mlp(depth=3, width=6)
+        model = copy.deepcopy(plain)
+        storage = register_flat_storage(model, ["0.*", "2.*"])  # layer 4 is left out
+        storage.enable_grad_sync()
+        if mode == "per-tensor":
+            storage.unflatten()
+        steps: list[dict[str, torch.Tensor]] = []
+        for stage in range(2):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+            _train_on_halves(model, opt, plain, ref, rank, world, steps=2)
+            steps.append(values(model))
+            if stage == 0:
+                torch.manual_seed(1)  # the same new head on every rank, as after a seeded reset_classifier
+                head = nn.Linear(6, 6)
+                plain[2] = copy.deepcopy(head)
+                model[2] = head
+        results[mode] = {
+            "steps": steps,
+            "plain": values(plain),
+            "groups": [i.name for i in storage.param_infos],
+        }
+        plain = mlp(depth=2, width=6)
+        plain[0].requires_grad_(False)
+        model = copy.deepcopy(plain)
+        storage = register_flat_storage(model, [model[0]])  # a frozen group; the head outside it
+        storage.enable_grad_sync()
+        if mode == "per-tensor":
+            storage.unflatten()
+        trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, plain)]
+        opt, ref = (torch.optim.SGD(params, lr=0.1) for params in trained)
+        _train_on_halves(model, opt, plain, ref, rank, world, steps=2)
+        results[f"{mode} frozen"] = {"synced": values(model), "plain": values(plain)}
+    return results
+
+
+def _scenario_outside_collectives(rank: int, world: int) -> dict[str, Any]:
+    """broadcast_params, a gradient only rank 0 produced and one no rank did, all_reduce_grads: outside."""
+    torch.manual_seed(rank)  # every rank starts from other weights
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    model.register_parameter("spare", nn.Parameter(torch.zeros(2)))  # never used
+    storage = register_flat_storage(model, [model[0]])
+    before = model[1].weight.detach().clone()
+    storage.broadcast_params(src=1)
+    after = model[1].weight.detach().clone()
+    storage.enable_grad_sync()
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    out = model[0](x)
+    if rank == 0:  # rank 1's backward reaches only the flat group
+        out = model[1](out)
+    local = None
+    with storage.no_sync():
+        out.sum().backward(retain_graph=True)
+        local = None if model[1].weight.grad is None else model[1].weight.grad.clone()
+    model.zero_grad()
+    out.sum().backward()
+    averaged = model[1].weight.grad.clone()
+    storage.disable_grad_sync()
+    model.zero_grad()
+    model[1](model[0](x)).sum().backward()
+    summed_local = model[1].weight.grad.clone()
+    storage.all_reduce_grads(op="sum")
+    return {
+        "before": before,
+        "after": after,
+        "local": local,
+        "averaged": averaged,
+        "spare": model.spare.grad,
+        "summed local": summed_local,
+        "summed": model[1].weight.grad.clone(),
+    }
+
+
 def _scenario_divided_in_backward(rank: int, world: int) -> dict[str, Any]:
     ops: list[str] = []
     real = _distributed._all_reduce
@@ -279,6 +358,8 @@ _SCENARIOS = {
     "unused_group": _scenario_unused_group,
     "broadcast": _scenario_broadcast,
     "all_reduce_sum": _scenario_all_reduce_sum,
+    "outside_params": _scenario_outside_params,
+    "outside_collectives": _scenario_outside_collectives,
 }
 
 
@@ -397,6 +478,33 @@ def test_all_reduce_grads_sum_adds_the_ranks_gradients(two_ranks):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["flat", "per-tensor"])
+def test_parameters_outside_the_groups_train_as_one_process_on_the_combined_batch(two_ranks, mode):
+    """Left out at registration, a head put in after it, a frozen body: grad sync averages them too."""
+    first, second = launch_results(two_ranks, "outside_params")
+    for result in (first, second):
+        assert_same_values(result[mode]["steps"][-1], result[mode]["plain"], close=True)
+        assert_same_values(result[f"{mode} frozen"]["synced"], result[f"{mode} frozen"]["plain"], close=True)
+    assert "4.weight" not in first[mode]["groups"]
+    for before, after in zip(first[mode]["steps"], second[mode]["steps"]):
+        assert_same_values(before, after)  # the ranks never drift apart
+    assert_same_values(first[f"{mode} frozen"]["synced"], second[f"{mode} frozen"]["synced"])
+
+
+@pytest.mark.slow
+def test_collectives_cover_the_parameters_outside_the_groups(two_ranks):
+    """broadcast_params copies them; a gradient one rank produced is averaged with zeros; none stays None."""
+    first, second = launch_results(two_ranks, "outside_collectives")
+    assert not torch.equal(first["before"], second["before"])
+    assert torch.equal(first["after"], second["before"]) and torch.equal(second["after"], second["before"])
+    assert second["local"] is None
+    for result in (first, second):
+        torch.testing.assert_close(result["averaged"], first["local"] / 2)
+        assert result["spare"] is None
+        torch.testing.assert_close(result["summed"], first["summed local"] + second["summed local"])
+
+
+@pytest.mark.slow
 def test_failing_rank_does_not_hang_the_others(two_ranks):
     """A rank that raises fails the launch; the other's synced backward raises after the group's timeout."""
     assert "rank 1 raised" in two_ranks["failure"]
@@ -438,18 +546,22 @@ def _reduced_groups(storage, calls) -> list[str]:
     ]
 
 
-def test_collectives_on_a_storage_without_groups_do_nothing(collectives):
-    """Explicitly empty groups: every sync call works and launches no collective."""
+def test_collectives_on_a_storage_without_groups_work_on_the_parameters_outside(collectives):
+    """Explicitly empty groups: every parameter is outside; the calls sync them as DDP would, no flat one."""
     model = _blocks()
     storage = register_flat_storage(model, [[]])
-    storage.all_reduce_grads()
+    storage.all_reduce_grads()  # no gradient anywhere: the count of ranks that produced one, one bucket
+    assert all(p.grad is None for p in model.parameters())
     storage.broadcast_params()
     storage.enable_grad_sync()
     with storage.no_sync():
         model(torch.ones(1, 4)).sum().backward()
+    assert [kind for kind, _ in collectives] == ["all_reduce", "all_reduce", "broadcast"]
     model(torch.ones(1, 4)).sum().backward()
     storage.disable_grad_sync()
-    assert collectives == [] and model[0].weight.grad is not None
+    # the outside gradients' count and bucket, then the launch order agreed after the first synced backward
+    assert [kind for kind, _ in collectives[3:]] == ["all_reduce", "all_reduce", "broadcast"]
+    assert model[0].weight.grad is not None
 
 
 @pytest.mark.parametrize(
@@ -647,6 +759,44 @@ def test_grad_sync_hooks_a_group_unfrozen_later_at_the_next_forward(collectives)
     storage["0"].requires_grad_(True)
     model(torch.ones(1, 4)).sum().backward()
     assert sorted(_reduced_groups(storage, collectives)) == ["0", "1"]
+
+
+def test_grad_sync_walks_the_module_again_only_after_a_registration(world1, monkeypatch):
+    """A clean forward does not walk the module for parameters outside the groups; a registration does."""
+    from flatten_parametrize._distributed import outside_params
+
+    walks: list[int] = []
+    real = outside_params.outside_params
+
+    def counted(module: nn.Module) -> list[nn.Parameter]:
+        walks.append(1)
+        return real(module)
+
+    monkeypatch.setattr(outside_params, "outside_params", counted)
+    model = _blocks(2)
+    storage = register_flat_storage(model)
+    storage.enable_grad_sync()
+    for _ in range(3):
+        model(torch.ones(1, 4)).sum().backward()
+    assert len(walks) == 1
+    model.register_parameter("extra", nn.Parameter(torch.zeros(4)))
+    model(torch.ones(1, 4)).sum().backward()
+    assert len(walks) == 2
+    assert len(model.extra._post_accumulate_grad_hooks or {}) == 1
+    storage.disable_grad_sync()
+    assert not model.extra._post_accumulate_grad_hooks
+
+
+def test_grad_sync_reduces_the_parameters_outside_in_one_collective_per_dtype(collectives):
+    """Outside parameters of two dtypes: how many ranks produced each gradient, then one bucket per dtype."""
+    model = _blocks(3)
+    model[2].double()
+    storage = register_flat_storage(model, [model[0]])
+    storage.enable_grad_sync()
+    collectives.clear()
+    model[2](model[1](model[0](torch.ones(1, 4))).double()).sum().backward()
+    reduced = [(t.dtype, t.numel()) for kind, t in collectives if kind == "all_reduce"]
+    assert reduced == [(torch.float32, 20), (torch.float32, 4), (torch.float32, 20), (torch.float64, 20)]
 
 
 def test_grad_sync_works_with_non_reentrant_checkpointing(collectives):

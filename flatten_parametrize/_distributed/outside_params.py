@@ -1,0 +1,182 @@
+"""Parameters of a synced module that no flat storage holds: averaged, broadcast, as DDP does.
+
+Gradient sync works on whole flat gradients. A parameter of the registered
+module outside every group would train on each rank's gradient alone, and the
+ranks would drift apart with no word: one left out at registration
+(``register_flat_storage(model, ["*.weight"])``), a new classifier head put in
+after it (timm's ``reset_classifier``, ``model.head = nn.Linear(...)``: the new
+module's parameters are ordinary, SPEC "Structure changes"), a parameter added
+to a plain submodule. DDP averages every parameter that requires grad; so do
+``enable_grad_sync`` and ``all_reduce_grads``, and ``broadcast_params`` copies
+them as DDP's constructor does.
+
+:class:`OutsideParams` finds them: the module's parameters that are neither a
+``FlatParameter`` nor a leaf of a live storage (per-tensor mode). The walk over
+the module runs again only after torch registered a parameter or a submodule
+anywhere (its global registration hooks move :data:`GENERATION`) or a storage
+changed mode or layout (``_core/leaves.py``'s ``EPOCH``): a clean forward costs
+two integer comparisons. Each one that requires grad gets a post-accumulate-grad
+hook, so that a backward that reaches only them (a frozen body, a new head) is
+synced too. At the end of a synced backward :func:`reduce` averages their
+gradients in one collective per dtype and device, after a count of the ranks
+that produced each one: a gradient no rank produced stays ``None``, as under
+DDP; one that only some ranks produced is averaged with zeros.
+
+Every rank must hold the same such parameters (the same model), as DDP needs.
+Buffers are left alone, as ``broadcast_params`` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from .._core.flat_parameter import FlatParameter
+from .._core.grad import set_grad
+from .._core.leaves import EPOCH, storage_of_leaf
+
+__all__ = ["GENERATION", "OutsideParams", "broadcast", "outside_params", "reduce"]
+
+#: Moves whenever torch registers a parameter or a submodule on any module (``GENERATION[0]``).
+GENERATION = [0]
+
+_installed: list[Any] = []
+
+
+def _moved(*args: Any) -> None:
+    GENERATION[0] += 1
+
+
+def _install() -> None:
+    """Register torch's global parameter and module registration hooks (once)."""
+    if not _installed:
+        _installed.append(nn.modules.module.register_module_parameter_registration_hook(_moved))
+        _installed.append(nn.modules.module.register_module_module_registration_hook(_moved))
+
+
+def outside_params(module: nn.Module) -> list[nn.Parameter]:
+    """Return the parameters of ``module`` that no flat storage holds (frozen ones included)."""
+    return [p for p in module.parameters() if not isinstance(p, FlatParameter) and storage_of_leaf(p) is None]
+
+
+class OutsideParams:
+    """The outside parameters of one synced module, and a gradient hook on each that trains.
+
+    Args:
+        on_grad: the hook of each (called with the parameter once a gradient was accumulated into it).
+    """
+
+    __slots__ = ("_handles", "_key", "_on_grad", "params")
+
+    def __init__(self, on_grad: Callable[[Tensor], None]) -> None:
+        _install()
+        self._on_grad = on_grad
+        self._key: tuple[int, int] | None = None
+        #: The last walk's result.
+        self.params: list[nn.Parameter] = []
+        self._handles: dict[int, tuple[nn.Parameter, RemovableHandle]] = {}
+
+    def watch(self, module: nn.Module) -> None:
+        """Walk ``module`` again if anything was registered since; hook each one that requires grad."""
+        key = (GENERATION[0], EPOCH[0])
+        if key != self._key:
+            self._key = key
+            self.params = outside_params(module)
+            kept = {id(p) for p in self.params}
+            for pid in [pid for pid in self._handles if pid not in kept]:
+                self._handles.pop(pid)[1].remove()
+        for param in self.params:
+            found = self._handles.get(id(param))
+            if param.requires_grad and (found is None or found[0] is not param):
+                handle = param.register_post_accumulate_grad_hook(self._on_grad)
+                self._handles[id(param)] = (param, handle)
+
+    def training(self) -> list[nn.Parameter]:
+        """Return the parameters of the last walk that require grad."""
+        return [p for p in self.params if p.requires_grad]
+
+    def close(self) -> None:
+        """Remove every hook."""
+        for _, handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self.params, self._key = [], None
+
+
+def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Split ``params`` by (device, dtype), in first-seen order."""
+    by: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+    for param in params:
+        by.setdefault((param.device, param.dtype), []).append(param)
+    return list(by.values())
+
+
+class _Averaged:
+    """The collectives over the outside gradients: ``wait()`` writes the averages back."""
+
+    def __init__(self, works: list[Any], counts: Tensor, buckets: list[tuple[list[nn.Parameter], Tensor]]):
+        self.works, self.counts, self.buckets = works, counts, buckets
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        produced = self.counts.tolist()
+        i = 0
+        with torch.no_grad():
+            for params, data in self.buckets:
+                for param, chunk in zip(params, data.split([p.numel() for p in params])):
+                    if produced[i]:
+                        if param.grad is not None and param.grad.layout == torch.strided:
+                            param.grad.copy_(chunk.view_as(param))
+                        else:
+                            set_grad(param, chunk.view_as(param))
+                    i += 1
+        return True
+
+
+def reduce(
+    params: Sequence[nn.Parameter],
+    process_group: dist.ProcessGroup | None,
+    world: int,
+    op: str,
+    start: Callable[[Tensor, dist.ProcessGroup | None, int, str], Any],
+) -> _Averaged | None:
+    """Start reducing the gradients of ``params`` (``op``: ``"mean"`` or ``"sum"``) with ``start``.
+
+    Returns what to ``wait()`` on (``None`` for no parameters). A rank without
+    a gradient for one contributes zeros; one no rank produced stays ``None``.
+    """
+    if not params:
+        return None
+    split = _buckets(params)
+    produced = [p.grad is not None for bucket in split for p in bucket]
+    counts = torch.tensor(produced, dtype=torch.float32, device=params[0].device)
+    works = [dist.all_reduce(counts, dist.ReduceOp.SUM, group=process_group, async_op=True)]
+    buckets = []
+    for bucket in split:
+        data = torch.cat(
+            [
+                torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                if p.grad is None
+                else p.grad.detach().to_dense().reshape(-1)
+                for p in bucket
+            ]
+        )
+        works.append(start(data, process_group, world, op))
+        buckets.append((bucket, data))
+    return _Averaged(works, counts, buckets)
+
+
+def broadcast(params: Sequence[nn.Parameter], src: int, process_group: dist.ProcessGroup | None) -> None:
+    """Copy the values of ``params`` on rank ``src`` to every rank, one collective per dtype and device."""
+    with torch.no_grad():
+        for bucket in _buckets(params):
+            data = torch.cat([p.detach().reshape(-1) for p in bucket])
+            dist.broadcast(data, src, group=process_group)
+            for param, chunk in zip(bucket, data.split([p.numel() for p in bucket])):
+                param.copy_(chunk.view_as(param))
