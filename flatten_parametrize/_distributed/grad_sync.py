@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from .._core.features import Coordinator, in_flat_mode, storage_of
 from .._core.grad import claim_sync
 from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
-from .outside_params import OutsideParams, outside_params
+from .outside_params import OutsideParams, outside_params, reduce_once
 from .outside_params import broadcast as broadcast_outside
 from .outside_params import reduce as reduce_outside
 
@@ -292,7 +292,7 @@ class GradSync:
         with in_flat_mode(storage):
             groups = [g for g in storage.groups() if g.flat.requires_grad]
             works = [_all_reduce(g.grads.dense(g.flat), pg, world, op, g.grads.reduce_dtype) for g in groups]
-            works.append(reduce_outside(outside, pg, world, op, _all_reduce))
+            works.append(reduce_outside(outside, pg, world, op))
             for work in works:
                 if work is not None:
                     work.wait()
@@ -431,8 +431,8 @@ class GradSync:
             order = state.order if state.order is not None else list(range(len(self._storage.groups())))
             self._launch(state, order, final=True)
             self._watch_outside()  # a parameter added since the forward (or used without it)
-            pg, world = state.process_group, state.world
-            outside = reduce_outside(state.outside.training(), pg, world, "mean", _all_reduce)
+            root, pg = self._storage.module_unchecked, state.process_group
+            outside = reduce_once(root, state.task, state.outside.training(), pg, state.world)
             if outside is not None:
                 state.works.append(outside)
             for work in state.works:

@@ -28,6 +28,7 @@ Buffers are left alone, as ``broadcast_params`` says.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ from .._core.flat_parameter import FlatParameter
 from .._core.grad import set_grad
 from .._core.leaves import EPOCH, storage_of_leaf
 
-__all__ = ["GENERATION", "OutsideParams", "broadcast", "outside_params", "reduce"]
+__all__ = ["GENERATION", "OutsideParams", "broadcast", "outside_params", "reduce", "reduce_once"]
 
 #: Moves whenever torch registers a parameter or a submodule on any module (``GENERATION[0]``).
 GENERATION = [0]
@@ -60,8 +61,20 @@ def _install() -> None:
 
 
 def outside_params(module: nn.Module) -> list[nn.Parameter]:
-    """Return the parameters of ``module`` that no flat storage holds (frozen ones included)."""
-    return [p for p in module.parameters() if not isinstance(p, FlatParameter) and storage_of_leaf(p) is None]
+    """Return the parameters of ``module`` that no flat storage holds (frozen ones included).
+
+    Only leaf ``nn.Parameter`` objects count: what a forward puts in the
+    parameters' places for its length (a mixed-precision policy's compute
+    views in per-tensor mode) is not a parameter of the model.
+    """
+    return [
+        p
+        for p in module.parameters()
+        if isinstance(p, nn.Parameter)
+        and p.is_leaf
+        and not isinstance(p, FlatParameter)
+        and storage_of_leaf(p) is None
+    ]
 
 
 class OutsideParams:
@@ -139,17 +152,37 @@ class _Averaged:
         return True
 
 
-def reduce(
+def reduce_once(
+    root: nn.Module,
+    task: int | None,
     params: Sequence[nn.Parameter],
     process_group: dist.ProcessGroup | None,
     world: int,
-    op: str,
-    start: Callable[[Tensor, dist.ProcessGroup | None, int, str], Any],
 ) -> _Averaged | None:
-    """Start reducing the gradients of ``params`` (``op``: ``"mean"`` or ``"sum"``) with ``start``.
+    """Start averaging the gradients of ``params``, ``root``'s outside ones, unless done in backward ``task``.
+
+    Two ``ShardedOptimizer`` over other groups of one storage each end the
+    same backward; the first one averages, the other finds it done.
+    """
+    if task is not None:
+        if _DONE.get(root) == task:
+            return None
+        _DONE[root] = task
+    return reduce(params, process_group, world, "mean")
+
+
+#: The registered module -> the backward (graph task) whose outside gradients were averaged last.
+_DONE: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def reduce(
+    params: Sequence[nn.Parameter], process_group: dist.ProcessGroup | None, world: int, op: str
+) -> _Averaged | None:
+    """Start reducing the gradients of ``params`` (``op``: ``"mean"`` or ``"sum"``).
 
     Returns what to ``wait()`` on (``None`` for no parameters). A rank without
     a gradient for one contributes zeros; one no rank produced stays ``None``.
+    A mean divides before the sum, as DDP's default hook does.
     """
     if not params:
         return None
@@ -167,7 +200,9 @@ def reduce(
                 for p in bucket
             ]
         )
-        works.append(start(data, process_group, world, op))
+        if op == "mean":
+            data.div_(world)
+        works.append(dist.all_reduce(data, dist.ReduceOp.SUM, group=process_group, async_op=True))
         buckets.append((bucket, data))
     return _Averaged(works, counts, buckets)
 

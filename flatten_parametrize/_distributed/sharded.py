@@ -58,6 +58,8 @@ from .._core.grad import check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
 from .engine import checked_process_group
+from .outside_params import broadcast as broadcast_outside
+from .outside_params import outside_params
 from .sharded_args import (
     ALLOWED_OPTIMIZERS,
     WholeTensorGroup,
@@ -99,10 +101,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Construction is collective: every rank of ``process_group`` builds it
     over the same layout and param groups (compared with one collective; a
     mismatch raises a ``ValueError`` on every rank), and it copies rank 0's
-    flat parameters to every rank, as DDP does. So are :meth:`step`,
+    flat parameters (and the module's parameters that no group holds) to
+    every rank, as DDP does. So are :meth:`step`,
     :meth:`clip_grad_norm_`, :meth:`state_dict` and :meth:`load_state_dict`:
     call them on every rank. A rank that fails makes the others' collectives
-    fail at the process group's timeout.
+    fail at the process group's timeout. The gradients of the outside
+    parameters (a head put in later, say) are averaged when backward ends,
+    as under DDP: step them with an optimizer of their own.
 
     ``param_groups`` holds the flat parameters with the inner optimizer's
     hyperparameters (LR schedulers change them there; :meth:`step` passes them
@@ -209,7 +214,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: The gradient path during backward.
         self._reducer = Reducer(core, self._ownership, self._comm, self._shard_gradients)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
-        self._member = Member(self, core, self._shard_gradients, _follower(weakref.ref(self)))
+        self._member = Member(
+            self, core, self._shard_gradients, _follower(weakref.ref(self)), self._reducer.outside
+        )
         self._building = True
         if wholes is None:
             inner_groups = [
@@ -240,6 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._comm,
         )
         self._broadcast(core.flat_params)
+        broadcast_outside(outside_params(core.module), self._comm.owners[0], pg)
         self._join(core)
         weakref.finalize(self, self._member.leave)
 

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 if TYPE_CHECKING:
     from .._core.grad import GroupGrad
     from .._core.records import Coordinator, Group
+    from .outside_params import OutsideParams
 
 __all__ = ["SYNCS", "Member", "buffers", "live_core", "refusal", "synced"]
 
@@ -80,14 +81,22 @@ class Member:
         core: its storage's core.
         releases_gradient: ZeRO-2: the full flat gradients are dropped after backward.
         rebacked: called when the core replaced or moved flat parameters.
+        outside: the module's parameters outside every group that the optimizer's
+            reducer averages; watched at each forward (``outside_params.py``).
     """
 
     def __init__(
-        self, claimant: object, core: Coordinator, releases_gradient: bool, rebacked: Callable[[], None]
+        self,
+        claimant: object,
+        core: Coordinator,
+        releases_gradient: bool,
+        rebacked: Callable[[], None],
+        outside: OutsideParams,
     ) -> None:
         self._claimant = weakref.ref(claimant)
         self._core_ref = weakref.ref(core)
         self._rebacked = rebacked
+        self._outside = outside
         #: ZeRO-2: the full flat gradients are dropped after backward (``FlatGradHook``).
         self.releases_gradient = releases_gradient
         #: Group index -> its gradient buffer, which calls this hook.
@@ -119,6 +128,7 @@ class Member:
         handles, self._handles = self._handles, {}
         for handle in handles.values():
             handle.remove()
+        self._outside.close()
         buffers, self.buffers = self.buffers, {}
         claimant = self._claimant()
         for buffer in buffers.values():
@@ -134,7 +144,15 @@ class Member:
         self._rebacked()
 
     def refresh(self) -> None:
-        return None  # replacements come with on_rebacked; step() checks .data swaps nothing notifies
+        """Watch the parameters outside the groups (flat parameters replaced come with on_rebacked)."""
+        core = self._core_ref()
+        root = None if core is None else core.module_or_none()
+        if root is not None:
+            self._outside.watch(root)
+
+    def before_forward(self) -> None:
+        """Per-tensor mode's forward (``_install/per_tensor.py``): as :meth:`refresh`."""
+        self.refresh()
 
     def on_removed(self) -> None:
         self.leave()

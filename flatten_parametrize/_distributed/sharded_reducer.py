@@ -8,7 +8,9 @@ and an autograd-engine callback finishes every reduction when backward ends.
 With ``shard_gradients=True`` (ZeRO-2) only this rank's averaged slice is
 kept and the full flat gradient is freed (one full gradient in flight at a
 time); with ``False`` (ZeRO-1) the whole flat gradient is averaged and the
-slice's gradient is a view of it.
+slice's gradient is a view of it. The module's parameters that no group holds
+(a new head, say) are averaged too when backward ends, as DDP averages every
+parameter (``outside_params.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .engine import current_node, graph_task_id, queue_callback
+from .outside_params import OutsideParams, reduce_once
 from .shard import Shard
 from .sharded_member import live_core
 
@@ -52,6 +55,8 @@ class Reducer:
         self._ownership = ownership
         self._comm = collectives
         self._shard_gradients = shard_gradients
+        #: The module's parameters outside every group, averaged when backward ends.
+        self.outside = OutsideParams(_outside_hook(weakref.ref(self)))
         self._begin(None)
 
     def _begin(self, task: int | None) -> None:
@@ -62,20 +67,21 @@ class Reducer:
         #: The reductions started and not finished yet, in start order.
         self.pending: list[Pending] = []
 
-    def grad_ready(self, flat: Tensor) -> None:
-        """Hook body: ``flat``'s gradient is final for this backward."""
+    def grad_ready(self, flat: Tensor | None) -> None:
+        """Hook body: ``flat``'s gradient is final for this backward (``None``: an outside parameter's)."""
         core = self._core_ref()
         if core is None or core.no_sync_depth:
             return
-        index = self._ownership.index_of(flat)
-        if index is None:  # a flat parameter object this optimizer no longer slices (replaced)
+        index = None if flat is None else self._ownership.index_of(flat)
+        if index is None and flat is not None:  # a flat parameter object this optimizer no longer slices
             return
         task = graph_task_id()
         if self._task != task:
             self._begin(task)
             queue_callback(self._backward_end)
-        self._ready.add(index)
-        self._launch(final=False)
+        if index is not None:
+            self._ready.add(index)
+            self._launch(final=False)
 
     def _launch(self, final: bool) -> None:
         """Start the reductions next in storage order that are ready (every one if ``final``)."""
@@ -140,8 +146,25 @@ class Reducer:
         try:
             self._launch(final=True)
             self.finish()
+            core = self._core_ref()
+            root = None if core is None else core.module_or_none()
+            if root is not None:
+                self.outside.watch(root)  # a parameter added since the forward (or used without it)
+                comm = self._comm
+                outside = reduce_once(root, self._task, self.outside.training(), comm.group, comm.world)
+                if outside is not None:
+                    outside.wait()
         finally:
             self._begin(None)
+
+
+def _outside_hook(ref: weakref.ref[Reducer]) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live.grad_ready(None)
+
+    return hook
 
 
 def ready_hook(reducer: Reducer) -> Callable[[Tensor], None]:

@@ -441,6 +441,42 @@ def _failing_rank(rank: int, world: int) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def _scenario_outside_params(rank: int, world: int) -> dict[str, Any]:
+    """The head left out of the groups, stepped by an optimizer of its own, in both modes, ZeRO-1 and 2:
+    copied from rank 0 at construction, its gradients averaged when backward ends (as under DDP)."""
+    results = {}
+    for per_tensor in (False, True):
+        for shard in (True, False):
+            plain = _net()
+            plain.head.weight = nn.Parameter(plain.head.weight.detach().clone())  # untied: the head apart
+            model = copy.deepcopy(plain)
+            if rank:
+                with torch.no_grad():
+                    model.head.weight.add_(1.0)  # every rank but 0 starts elsewhere
+            storage = register_flat_storage(model, [["embed.*", "norm.*", "body.*", "scale"], ["frozen.*"]])
+            if per_tensor:
+                storage.unflatten()
+            opt = ShardedOptimizer(storage, torch.optim.AdamW, lr=0.05, shard_gradients=shard)
+            head_opt = torch.optim.AdamW([model.head.weight], lr=0.05)
+            ref = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=0.05)
+            for step in range(3):
+                _lm_loss(model, step, _mine(rank, world)).backward()
+                opt.step()
+                head_opt.step()
+                opt.zero_grad()
+                head_opt.zero_grad()
+                _lm_loss(plain, step).backward()
+                ref.step()
+                ref.zero_grad()
+            if per_tensor:
+                storage.flatten()
+            results[f"per_tensor={per_tensor}, shard_gradients={shard}"] = {
+                "sharded": values(model),
+                "plain": values(plain),
+            }
+    return results
+
+
 _SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "training": _scenario_training,
     "one_buffer_collectives": _scenario_one_buffer_collectives,
@@ -449,6 +485,7 @@ _SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "no_sync": _scenario_no_sync,
     "layout_mismatch": _scenario_layout_mismatch,
     "per_tensor": _scenario_per_tensor,
+    "outside_params": _scenario_outside_params,
 }
 
 
@@ -508,7 +545,6 @@ def test_training_equals_one_process_on_the_combined_batch(ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_per_tensor_mode_trains_like_the_plain_model_under_sharded_optimizer(ranks):
     """ZeRO-1 and ZeRO-2 over a model in per-tensor mode: the plain weights and clip norms on every rank."""
     results = launch_results(ranks, "per_tensor")
@@ -519,6 +555,18 @@ def test_per_tensor_mode_trains_like_the_plain_model_under_sharded_optimizer(ran
                 assert norm == pytest.approx(plain_norm, rel=1e-6), (rank, config)
 
 
+@pytest.mark.slow
+def test_parameters_outside_the_groups_are_broadcast_and_averaged_as_under_ddp(ranks):
+    """A head no group holds, stepped by its own AdamW: it trains like the plain model on every rank."""
+    results = launch_results(ranks, "outside_params")
+    for config in results[0]:
+        per_rank = [r[config] for r in results]
+        for result in per_rank:
+            _assert_trained_alike(result, config)
+        _assert_ranks_equal(per_rank)
+
+
+@pytest.mark.slow
 def test_clip_grad_norm_returns_the_unsharded_norm(ranks):
     """clip_grad_norm_ (2-norm and inf-norm) returns torch's norm of the averaged gradients (rel 1e-6)."""
     for config, result in launch_results(ranks, "training")[0].items():
