@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ._core import timm_decay, torchao_swaps
+from ._core import timm_decay, torch_renames, torchao_swaps
 from ._core.on_import import when_imported
 from ._distributed import dcp, lightning_ckpt
 
@@ -159,6 +159,28 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
         changes=(
             "on a model in flat mode the call runs inside `storage.unflattened()`: a re-hosted parameter "
             "keeps its slot, a quantized weight leaves the storage with a warning"
+        ),
+        unchanged="a model in per-tensor mode; a call nested in a wrapped one",
+        left_out="call them inside `with storage.unflattened():` yourself",
+    ),
+    OutsideWrapper(
+        feature="torch's hook-based weight_norm, spectral_norm and pruning on the plain model",
+        functions=tuple(
+            (module, f"{cls}.{method}")
+            for module, methods in torch_renames.METHODS.items()
+            for cls, method, _ in methods
+        ),
+        patch=torch_renames.patch,
+        why=(
+            "`torch.nn.utils.weight_norm`, `spectral_norm`, the pruning functions of `torch.nn.utils.prune` "
+            "and their `remove` counterparts take the weight out of `module._parameters` (or register it "
+            "under another name), which in flat mode holds no flattened weight: torch fails with "
+            "`KeyError: 'weight'` or `cannot assign 'torch.FloatTensor' object to parameter 'weight_orig'`"
+        ),
+        changes=(
+            "on a model in flat mode the call runs inside `storage.unflattened()`: a parameter under a new "
+            "name (`weight_orig`) keeps its slot, a weight taken off leaves its slot, and new parameters "
+            "(`weight_g`, `weight_v`, the weight `remove` puts back) are ordinary parameters of their module"
         ),
         unchanged="a model in per-tensor mode; a call nested in a wrapped one",
         left_out="call them inside `with storage.unflattened():` yourself",

@@ -1,7 +1,8 @@
 """Features that hold the layout: a refused layout change changes nothing, a released one holds nothing.
 
 Every operation that lays the groups out again (torchao's ``quantize_``, QAT prepare and float8
-swaps, a module swap flattened again, transformers' ``resize_token_embeddings``) asks the features
+swaps, torch's hook-based ``weight_norm``, ``spectral_norm`` and pruning, a module swap flattened
+again, transformers' ``resize_token_embeddings``) asks the features
 of the storage before anything changes (``_core/features.py``: ``refuse_held_layout``). Per holder
 (disk offload, a ``ShardedOptimizer``, live ensemble stacks): the refused operation leaves the
 model as it was; released as the message says, the same operation gives the plain twin's result.
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.func import functional_call
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import prune
 from torchao.float8 import convert_to_float8_training
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
@@ -69,6 +71,12 @@ SWAPS: dict[str, tuple[str, Callable[[nn.Module], Any]]] = {
     "float8": ("torchao's convert_to_float8_training", convert_to_float8_training),
 }
 HOLDERS = ["offload", "sharded_optimizer", "stacks"]
+#: torch's hook-based reparametrizations (``_core/torch_renames.py``): the name in the refusal, the call.
+RENAMES: dict[str, tuple[str, Callable[[nn.Module], Any]]] = {
+    "weight_norm": ("torch.nn.utils.weight_norm", lambda m: torch.nn.utils.weight_norm(m[0])),
+    "spectral_norm": ("torch.nn.utils.spectral_norm", lambda m: torch.nn.utils.spectral_norm(m[0])),
+    "prune": ("torch.nn.utils.prune", lambda m: prune.l1_unstructured(m[0], "weight", 0.5)),
+}
 
 
 def mlp() -> nn.Sequential:
@@ -124,6 +132,33 @@ def test_a_held_layout_refuses_a_torchao_swap_before_it_changes_the_model(swap: 
     call(flat)
     call(plain)
     assert [type(m).__name__ for m in flat] == [type(m).__name__ for m in plain]
+    assert torch.equal(flat(X), plain(X))
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.filterwarnings("ignore:.*deprecated in favor of")
+@pytest.mark.parametrize("holder", HOLDERS)
+@pytest.mark.parametrize("tool", list(RENAMES))
+def test_a_held_layout_refuses_a_torch_reparametrization_before_it_changes_the_model(
+    tool: str, holder: str, tmp_path
+):
+    """Refused with the holder named, no hook of the tool left; released, the plain twin's result."""
+    plain = mlp()
+    flat = twin(plain)
+    storage = register_flat_storage(flat)
+    what, call = RENAMES[tool]
+    name, release = hold(holder, storage, tmp_path)
+    before = flat(X)
+    snap = snapshot(flat)
+    with pytest.raises(RuntimeError, match=refusal(what, name)):
+        call(flat)
+    assert_unchanged(flat, snap)
+    assert storage.is_flattened and not flat[0]._forward_pre_hooks
+    assert torch.equal(flat(X), before)
+    release()
+    for m in (flat, plain):
+        torch.manual_seed(1)  # spectral_norm draws its vectors
+        call(m)
     assert torch.equal(flat(X), plain(X))
 
 

@@ -72,11 +72,19 @@ def test_every_listed_function_is_wrapped_once_with_the_originals_name_docstring
     assert wrapped.__name__ == original.__name__ == function.rpartition(".")[2]
     assert wrapped.__qualname__ == original.__qualname__
     assert wrapped.__doc__ == original.__doc__
-    assert inspect.signature(wrapped) == inspect.signature(original)
+    unbound = getattr(wrapped, "__func__", wrapped)  # a class method is looked up bound to its class
+    assert inspect.signature(unbound) == inspect.signature(original)
 
 
 def test_fsdps_rekey_stays_a_static_method() -> None:
     assert isinstance(FSDP.__dict__["rekey_optim_state_dict"], staticmethod)
+
+
+def test_torchs_reparametrization_methods_keep_their_kind() -> None:
+    kinds = {"WeightNorm": staticmethod, "SpectralNorm": staticmethod, "BasePruningMethod": classmethod}
+    for module, function, _ in TORCH_RENAMES.values():  # the modules, not the functions of their names
+        cls = _owner(importlib.import_module(module), function)[0]
+        assert isinstance(cls.__dict__["apply"], kinds[cls.__name__])
 
 
 # ------------------------------------------------------------ the original's result without a storage
@@ -102,8 +110,8 @@ def originals(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType, str], No
     def restore(module: ModuleType, name: str) -> None:
         owner, attr = _owner(module, name)
         raw = owner.__dict__[attr]
-        if isinstance(raw, staticmethod):
-            monkeypatch.setattr(owner, attr, staticmethod(raw.__func__.__wrapped__))
+        if isinstance(raw, (staticmethod, classmethod)):
+            monkeypatch.setattr(owner, attr, type(raw)(raw.__func__.__wrapped__))
         else:
             monkeypatch.setattr(owner, attr, raw.__wrapped__)
 
@@ -221,6 +229,53 @@ def test_torchaos_swaps_of_a_plain_model_are_the_originals(call: str, originals:
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])
 
 
+#: name -> (module, wrapped method, a call of torch's public API that reaches it).
+TORCH_RENAMES: dict[str, tuple[str, str, Callable[[nn.Module], Any]]] = {
+    "weight_norm": ("torch.nn.utils.weight_norm", "WeightNorm.apply", torch.nn.utils.weight_norm),
+    "remove_weight_norm": (
+        "torch.nn.utils.weight_norm",
+        "WeightNorm.remove",
+        lambda m: torch.nn.utils.remove_weight_norm(torch.nn.utils.weight_norm(m)),
+    ),
+    "spectral_norm": ("torch.nn.utils.spectral_norm", "SpectralNorm.apply", torch.nn.utils.spectral_norm),
+    "remove_spectral_norm": (
+        "torch.nn.utils.spectral_norm",
+        "SpectralNorm.remove",
+        lambda m: torch.nn.utils.remove_spectral_norm(torch.nn.utils.spectral_norm(m)),
+    ),
+    "l1_unstructured": (
+        "torch.nn.utils.prune",
+        "BasePruningMethod.apply",
+        lambda m: torch.nn.utils.prune.l1_unstructured(m, "weight", amount=0.5),
+    ),
+    "prune.remove": (
+        "torch.nn.utils.prune",
+        "BasePruningMethod.remove",
+        lambda m: torch.nn.utils.prune.remove(
+            torch.nn.utils.prune.l1_unstructured(m, "weight", 0.5), "weight"
+        ),
+    ),
+}
+
+
+def _renamed(run: Callable[[nn.Module], Any]) -> tuple[list[str], torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    run(model[0])  # spectral_norm draws its vectors from the generator seeded above
+    return [n for n, _ in model.named_parameters()], model(torch.ones(2, 4)).detach()
+
+
+@pytest.mark.filterwarnings("ignore:.*deprecated in favor of")
+@pytest.mark.parametrize("call", list(TORCH_RENAMES))
+def test_torchs_renames_of_a_plain_model_are_the_originals(call: str, originals: Any) -> None:
+    module, function, run = TORCH_RENAMES[call]
+    got = _renamed(run)
+    originals(importlib.import_module(module), function)
+    assert not is_ours(_get(module, function))
+    expected = _renamed(run)
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+
+
 # ------------------------------------------------------------------------ beside a user's own wrapper
 
 
@@ -247,10 +302,10 @@ class UsersWrapper:
     def __call__(self, module: ModuleType, name: str) -> list[str]:
         owner, attr = _owner(module, name)
         raw = owner.__dict__[attr]
-        static = isinstance(raw, staticmethod)
-        ours = raw.__func__ if static else raw
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        ours = raw.__func__ if kind is not None else raw
         users = _counting(ours if self.order == "after ours" else ours.__wrapped__, self.calls)
-        self.monkeypatch.setattr(owner, attr, staticmethod(users) if static else users)
+        self.monkeypatch.setattr(owner, attr, kind(users) if kind is not None else users)
         if self.order == "before ours":
             (patch,) = {w.patch for w in OUTSIDE if module.__name__ in w.modules}
             patch(module)  # ours wraps theirs (as when their module is imported after ours)
@@ -322,6 +377,18 @@ def test_torchaos_swaps_work_beside_a_users_wrapper(call: str, users_wrapper: Us
     assert storage.is_flattened
     if call != "quantize_":
         assert storage.flat_params[0] is flat  # a change of owner, not of slot
+
+
+@pytest.mark.filterwarnings("ignore:.*deprecated in favor of")
+@pytest.mark.parametrize("call", list(TORCH_RENAMES))
+def test_torchs_renames_work_beside_a_users_wrapper(call: str, users_wrapper: UsersWrapper) -> None:
+    module, function, run = TORCH_RENAMES[call]
+    calls = users_wrapper(importlib.import_module(module), function)
+    model = mlp(depth=2, width=4, seed=0)
+    storage = register_flat_storage(model)
+    run(model[0])  # in flat mode: torch's KeyError or TypeError unless ours runs it on the plain model
+    assert calls and calls[-1] == function.rpartition(".")[2]
+    assert storage.is_flattened
 
 
 # -------------------------------------------------------------------------------------- the switch

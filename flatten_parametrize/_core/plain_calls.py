@@ -1,0 +1,83 @@
+"""Run a call of outside code that changes a model's modules on the plain model: inside ``unflattened()``.
+
+Outside code that takes a weight off its module and puts it (or new ones) back
+under other names or in new modules (torchao's module swaps, torch's
+hook-based reparametrizations) needs the model's weights to be ``nn.Parameter``
+objects in the modules' ``_parameters``. In flat mode they are views of the flat
+buffers. :func:`on_plain_model` wraps such an entry point: called on a module
+that holds a flattened storage in flat mode (registered on it, on a module
+inside it, or wrapping it), it runs inside ``storage.unflattened()``, where
+the model is a plain one; when the block ends the groups are laid out as the
+model now is (``_install/rehost.py``, ``_install/relayout.py``). While a
+feature holds the layout (``features.refuse_held_layout``: disk offload, a
+``ShardedOptimizer``, live ensemble stacks) the call is refused before the
+model changes; mixed precision and gradient sync follow the new layout. A call
+nested in a wrapped one runs as is.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from contextlib import ExitStack
+from typing import Any, Callable
+
+from torch import nn
+
+from .features import refuse_held_layout
+from .names import library_state, registered_storage
+from .on_import import wrapper_of
+
+__all__ = ["flat_storages_in", "on_plain_model"]
+
+#: The start of the dead-space warning of ``_install/dead_space.py``.
+_DEAD_SPACE = "a submodule replaced after registration leaves"
+#: Depth of wrapped calls running in this thread (a nested one runs as is).
+_running = threading.local()
+
+
+def flat_storages_in(model: Any) -> list[Any]:
+    """Return the storages in flat mode that hold parameters of ``model`` (registered, wrapping or inner)."""
+    if not isinstance(model, nn.Module):
+        return []
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        state = library_state(module)
+        for core in (registered_storage(module), None if state is None else state.storage):
+            if core is not None and core.is_flattened:
+                found[id(core)] = core
+    return list(found.values())
+
+
+def on_plain_model(original: Callable[..., Any], model_at: int, what: str) -> Callable[..., Any]:
+    """Wrap ``original``, whose argument ``model_at`` is the module it changes, to run on the plain model.
+
+    Args:
+        original: the outside entry point.
+        model_at: the position of the module among its arguments (else its ``model`` or ``module``
+            keyword).
+        what: the entry point as the user calls it, for the refusal of a held layout.
+
+    Returns:
+        The wrapper, with the original's name, docstring and signature (``on_import.wrapper_of``).
+    """
+
+    def on_the_plain_model(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_running, "depth", 0)
+        model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
+        storages = [] if depth else flat_storages_in(model)
+        for storage in storages:  # before the call changes anything (flatten() would refuse after it)
+            refuse_held_layout(storage, what)
+        _running.depth = depth + 1
+        try:
+            with ExitStack() as stack:
+                for storage in storages:
+                    stack.enter_context(storage.unflattened())
+                if storages:  # what a swap leaves dead is reclaimed when the block ends
+                    stack.enter_context(warnings.catch_warnings())
+                    warnings.filterwarnings("ignore", message=_DEAD_SPACE)
+                return original(*args, **kwargs)
+        finally:
+            _running.depth = depth
+
+    return wrapper_of(original, on_the_plain_model)
