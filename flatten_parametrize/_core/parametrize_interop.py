@@ -66,8 +66,9 @@ class FlatViewList(ParametrizationList):
         raise RuntimeError(
             f"cannot add a parametrization on top of {name}: "
             "it is a view of a flat storage; register other parametrizations before "
-            "register_flat_storage (their original tensors are then flattened), or call "
-            "remove_flat_storage first"
+            "register_flat_storage (their original tensors are then flattened), in per-tensor mode "
+            "on a module that had none at registration (storage.unflatten(), then register it: the "
+            "next flatten() lays its tensors out again), or call remove_flat_storage first"
         )
 
     append = _refuse  # type: ignore[assignment]

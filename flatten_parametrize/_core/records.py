@@ -184,6 +184,9 @@ class Coordinator(Protocol):
     def state_of(self, module: nn.Module) -> ModuleState | None:
         """The library's state of ``module`` if this storage changed it (also while unflattened)."""
 
+    def adopt_members(self, owners: list[tuple[nn.Module, ModuleState]]) -> None:
+        """Take ``owners`` as the modules this storage changed."""
+
     def live_names(self) -> set[str]:
         """Every flattened name whose module was not replaced or deleted since registration."""
 

@@ -388,7 +388,8 @@ class StorageCore:
         self.per_tensor.detach(tx)
         surgery.flatten_module(self, tx)
         tx.set_attr(self, "_flattened", True)
-        surgery.refresh_originals(self._groups, self._slots, tx)
+        gone = surgery.released(self)  # parameters a module kept after leaving the storage
+        surgery.refresh_originals(self._groups, [s for s in self._slots if id(s) not in gone], tx)
 
     def unflatten(self) -> None:
         """Switch to unflattened mode (a no-op there), all or nothing.

@@ -272,7 +272,10 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
     with torch.no_grad():
         values = [group.value_views() for group in groups]
         data = [values[s.group_index][s.index].clone() for s in slots]
+    gone = released(storage)
     for slot, value in zip(slots, data):
+        if id(slot) in gone:
+            continue
         tx.set_attr(slot.param, "data", value)
         tx.set_attr(slot.param, "requires_grad", groups[slot.group_index].flat.requires_grad)
     for group in groups:  # the parameters own their gradients again
@@ -550,26 +553,59 @@ def _give_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> N
     tx.set_attr(owner, "__class__", state.prev_class)
 
 
+def released(storage: Coordinator) -> set[int]:
+    """Return the ids of the dead slots whose parameter lives on with memory of its own.
+
+    A module that torch parametrized in per-tensor mode (:func:`_disown`) keeps
+    the parameter its slot had, which ``orthogonal``'s ``right_inverse`` gave
+    other memory and values (torch's ``set_``): pointing it at the slot again, or
+    writing the slot's values into it, would undo torch's work.
+    """
+    modules = _modules(storage.module_unchecked)
+    gone: set[int] = set()
+    groups = storage.groups()
+    values = None
+    for slot in storage.slots():
+        if live_names(storage, slot, modules):
+            continue
+        if values is None:
+            with torch.no_grad():
+                values = [group.value_views() for group in groups]
+        if not same_memory(slot.param, values[slot.group_index][slot.index]):
+            gone.add(id(slot))
+    return gone
+
+
+def _disown(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
+    """``owner`` was parametrized by torch in per-tensor mode: it leaves the storage as torch left it.
+
+    ``weight_norm``, ``orthogonal`` or ``register_parametrization`` on a leaf gave
+    ``owner`` torch's class and container. Putting the library's class back would
+    drop them, so the storage lets the module go (undoably with ``tx``): its slots
+    are dead from here on, as a replaced module's, and what follows (the groups
+    laid out again, or the storage removed) finds its parameters as torch holds them
+    now: the same parameter under ``parametrizations.<name>.original`` keeps its slot,
+    one the module kept (``bias``) joins its group again, new ones (``original0``,
+    ``original1``) are ordinary parameters of their module.
+    """
+    core = state.storage
+    owners = core.members()
+    core.adopt_members([(module, kept) for module, kept in owners if module is not owner])
+    tx.on_undo(lambda: core.adopt_members(owners))
+    UNFLATTENED.pop(owner, None)
+    tx.on_undo(lambda: UNFLATTENED.__setitem__(owner, state))
+
+
 def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
     """Flat mode again: ``owner`` gets the library's class, state and container back.
 
-    Raises:
-        RuntimeError: if a torch parametrization was registered on ``owner`` in per-tensor mode
-            (its class would be lost with it; the transaction undoes what was done).
+    A module that torch parametrized in per-tensor mode leaves the storage instead (:func:`_disown`).
     """
     if state.injected is None:
         return
     if type(owner) is not state.prev_class and parametrize.is_parametrized(owner):
-        container = owner._modules["parametrizations"]  # torch's ModuleDict of them
-        names = list(container._modules) if container is not None else []
-        raise RuntimeError(
-            "a torch parametrization registered in per-tensor mode (after register_flat_storage) cannot "
-            "be flattened, laid out again or removed with the storage: it would be lost; "
-            f"{type(owner).__name__} has one on {', '.join(names)}. Take it off first with "
-            f"torch.nn.utils.parametrize.remove_parametrizations(module, {names[0]!r}, "
-            "leave_parametrized=True) (the weight keeps its values); to train with it, register it "
-            "before the storage: remove_flat_storage(model), apply it, register_flat_storage(model)"
-        )
+        _disown(owner, state, tx)
+        return
     tx.keep_dict(owner.__dict__)
     owner.__dict__[MODULE_STATE_ATTR] = state
     UNFLATTENED.pop(owner, None)

@@ -16,7 +16,9 @@ import copy
 import gc
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -301,53 +303,72 @@ def test_per_sample_gradients_through_functional_call_in_per_tensor_mode_are_the
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("call", ["flat_params", "flatten()", "remove_flat_storage"])
-def test_a_torch_parametrization_added_in_per_tensor_mode_is_refused_and_kept(call):
-    """weight_norm on a leaf after registration: flattening, laying out or removing refuse; nothing lost.
+class _Double(nn.Module):
+    """A parametrization of one tensor without ``right_inverse``: torch keeps the same parameter."""
 
-    Each of them put the library's class back over torch's ``ParametrizedLinear`` and dropped its
-    ``parametrizations``: ``fc`` ended a ``Linear`` without ``weight`` (its weights gone, the next
-    forward torch's ``'Linear' object has no attribute 'weight'``).
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+#: torch parametrizations: two new originals, one original given other memory by ``right_inverse``
+#: (torch's ``set_``), the same parameter under ``parametrizations.weight.original``.
+PARAMETRIZATIONS: dict[str, Callable[[nn.Module], Any]] = {
+    "weight_norm": nn.utils.parametrizations.weight_norm,
+    "orthogonal": nn.utils.parametrizations.orthogonal,
+    "register_parametrization": lambda m: torch.nn.utils.parametrize.register_parametrization(
+        m, "weight", _Double()
+    ),
+}
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize(
+    "call", ["flat_params", "forward under grad sync", "flatten()", "remove_flat_storage"]
+)
+@pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
+def test_a_torch_parametrization_added_in_per_tensor_mode_is_laid_out_and_trains_as_the_plain_model(
+    kind: str, call: str
+):
+    """A leaf parametrized after registration: the next sync point lays the groups out as torch left them.
+
+    Each of these calls put the library's class back over torch's ``ParametrizedLinear`` and dropped its
+    ``parametrizations``: ``fc`` ended a ``Linear`` without ``weight``; later they refused. Now the module
+    leaves the storage as torch made it: the same parameter under ``parametrizations.weight.original``
+    keeps its slot, ``bias`` joins its group again, new originals are ordinary parameters; orthogonal's
+    original keeps the values its ``right_inverse`` gave it.
     """
-    plain, model, storage = _pair()
+    plain, model, storage = _pair(grad_sync=call == "forward under grad sync")
     for m in (plain, model):
-        nn.utils.parametrizations.weight_norm(m.fc)
-    with pytest.raises(
-        RuntimeError,
-        match=r"torch parametrization registered in per-tensor mode .* "
-        r"ParametrizedLinear has one on weight\. Take it off first",
-    ):
-        if call == "flat_params":
-            storage.flat_params  # noqa: B018
-        elif call == "flatten()":
-            storage.flatten()
-        else:
-            remove_flat_storage(model)
-    assert type(model.fc).__name__ == "ParametrizedLinear" and not storage.is_flattened
-    assert get_flat_storage(model) is not None
+        torch.manual_seed(1)
+        PARAMETRIZATIONS[kind](m.fc)
+    if call == "flat_params":
+        storage.flat_params  # noqa: B018
+    elif call == "forward under grad sync":
+        model(_tokens())
+    elif call == "flatten()":
+        storage.flatten()
+    else:
+        remove_flat_storage(model)
+    assert type(model.fc).__name__ == "ParametrizedLinear"
+    assert list(model.fc.state_dict()) == list(plain.fc.state_dict())
+    if call != "remove_flat_storage":
+        names = [info.name for info in storage.param_infos]
+        assert "fc.bias" in names and "fc.weight" not in names
+        assert ("fc.parametrizations.weight.original" in names) == (kind != "weight_norm")
+        assert sum(f.numel() for f in storage.flat_params) == sum(
+            p.numel() for n, p in plain.named_parameters() if "original0" not in n and "original1" not in n
+        )  # no dead space
     assert torch.equal(model(_tokens()), plain(_tokens()))
-
-
-def test_the_route_of_the_parametrization_refusal_trains_as_the_plain_model():
-    """As the message says: take it off (values kept), remove the storage, apply it, register again."""
-    plain, model, _ = _pair()
-    for m in (plain, model):
-        nn.utils.parametrizations.weight_norm(m.fc)
-    for m in (plain, model):
-        torch.nn.utils.parametrize.remove_parametrizations(m.fc, "weight", leave_parametrized=True)
-    remove_flat_storage(model)
-    assert type(model.fc) is nn.Linear and torch.equal(model(_tokens()), plain(_tokens()))
-    for m in (plain, model):
-        nn.utils.parametrizations.weight_norm(m.fc)
-    storage = register_flat_storage(model)
-    storage.unflatten()
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
     for step in range(3):
         for m, opt in zip((model, plain), optimizers):
             opt.zero_grad()
             _loss(m, _tokens(step)).backward()
             opt.step()
-    torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)  # a whole-buffer call: nothing refused
+    assert torch.equal(model(_tokens()), plain(_tokens()))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    if get_flat_storage(model) is not None:
+        remove_flat_storage(model)
     for (name, mine), theirs in zip(model.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(mine, theirs), name
 
