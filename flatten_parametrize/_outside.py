@@ -164,23 +164,27 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
         left_out="call them inside `with storage.unflattened():` yourself",
     ),
     OutsideWrapper(
-        feature="torch's hook-based weight_norm, spectral_norm and pruning on the plain model",
+        feature="torch's weight_norm, spectral_norm, pruning and parametrizations on the plain model",
         functions=tuple(
-            (module, f"{cls}.{method}")
+            (module, f"{cls}.{method}" if cls else method)
             for module, methods in torch_renames.METHODS.items()
             for cls, method, _ in methods
         ),
         patch=torch_renames.patch,
         why=(
-            "`torch.nn.utils.weight_norm`, `spectral_norm`, the pruning functions of `torch.nn.utils.prune` "
-            "and their `remove` counterparts take the weight out of `module._parameters` (or register it "
-            "under another name), which in flat mode holds no flattened weight: torch fails with "
-            "`KeyError: 'weight'` or `cannot assign 'torch.FloatTensor' object to parameter 'weight_orig'`"
+            "`torch.nn.utils.weight_norm`, `spectral_norm`, the pruning functions of `torch.nn.utils.prune`, "
+            "`parametrize.register_parametrization` (behind `torch.nn.utils.parametrizations`) and their "
+            "`remove` counterparts take the weight out of `module._parameters` (or register it under another "
+            "name), which in flat mode holds no flattened weight: torch fails with `KeyError: 'weight'` or "
+            "`cannot assign 'torch.FloatTensor' object to parameter 'weight_orig'`, and "
+            "`remove_parametrizations` of a parametrization registered before the storage put the weight "
+            "back as a buffer (it silently stopped training)"
         ),
         changes=(
             "on a model in flat mode the call runs inside `storage.unflattened()`: a parameter under a new "
-            "name (`weight_orig`) keeps its slot, a weight taken off leaves its slot, and new parameters "
-            "(`weight_g`, `weight_v`, the weight `remove` puts back) are ordinary parameters of their module"
+            "name (`weight_orig`, `parametrizations.weight.original`) keeps its slot, a weight taken off "
+            "leaves its slot, and new parameters (`weight_g`, `weight_v`, `original0`, the weight `remove` "
+            "puts back) are ordinary parameters of their module"
         ),
         unchanged="a model in per-tensor mode; a call nested in a wrapped one",
         left_out="call them inside `with storage.unflattened():` yourself",

@@ -49,7 +49,12 @@ def flat_storages_in(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def on_plain_model(original: Callable[..., Any], model_at: int, what: str) -> Callable[..., Any]:
+def on_plain_model(
+    original: Callable[..., Any],
+    model_at: int,
+    what: str,
+    check: Callable[..., None] | None = None,
+) -> Callable[..., Any]:
     """Wrap ``original``, whose argument ``model_at`` is the module it changes, to run on the plain model.
 
     Args:
@@ -57,6 +62,8 @@ def on_plain_model(original: Callable[..., Any], model_at: int, what: str) -> Ca
         model_at: the position of the module among its arguments (else its ``model`` or ``module``
             keyword).
         what: the entry point as the user calls it, for the refusal of a held layout.
+        check: called with the call's arguments first, on a model in flat mode; it raises for a call
+            that the plain model would refuse too, before anything changes.
 
     Returns:
         The wrapper, with the original's name, docstring and signature (``on_import.wrapper_of``).
@@ -66,6 +73,8 @@ def on_plain_model(original: Callable[..., Any], model_at: int, what: str) -> Ca
         depth = getattr(_running, "depth", 0)
         model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
         storages = [] if depth else flat_storages_in(model)
+        if storages and check is not None:
+            check(*args, **kwargs)
         for storage in storages:  # before the call changes anything (flatten() would refuse after it)
             refuse_held_layout(storage, what)
         _running.depth = depth + 1

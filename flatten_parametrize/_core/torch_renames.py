@@ -1,26 +1,35 @@
-"""torch's hook-based reparametrizations run on a flattened model as on the plain one.
+"""torch's reparametrizations of a weight run on a flattened model as on the plain one.
 
 ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (the forward-pre-hook
 versions, still common in audio and GAN code) and ``torch.nn.utils.prune`` take
 a weight off ``module._parameters`` and register parameters under other names:
 ``weight_g`` and ``weight_v`` (new ones), ``weight_orig`` (the same
 ``nn.Parameter``); a forward pre-hook computes a plain ``module.weight`` from
-them. Their ``remove`` counterparts put one parameter back. In flat mode a
-flattened weight is a view in no ``_parameters``, and torch fails with
-``KeyError: 'weight'`` or ``cannot assign 'torch.FloatTensor' object to
-parameter 'weight_orig'``. So each of them, called on a module that holds a
-flattened storage in flat mode, runs on the plain model (``plain_calls.py``);
-when the block ends the groups are laid out again as the model now is: a
-parameter under a new name keeps its slot (``weight_orig``), a weight taken off
+them. ``torch.nn.utils.parametrize.register_parametrization`` (which
+``torch.nn.utils.parametrizations``' ``weight_norm``, ``orthogonal`` and
+``spectral_norm`` call) moves it to ``parametrizations.weight.original``. Their
+``remove`` counterparts put one parameter back. In flat mode a flattened weight
+is a view in no ``_parameters``: torch fails with ``KeyError: 'weight'`` or
+``cannot assign 'torch.FloatTensor' object to parameter 'weight_orig'``, a
+parametrization on a flattened attribute is refused, and
+``remove_parametrizations`` of one registered before the storage put the view
+back as a buffer (the weight silently stopped training). So each of them,
+called on a module that holds a flattened storage in flat mode, runs on the
+plain model (``plain_calls.py``); when the block ends the groups are laid out
+again as the model now is: a parameter under a new name keeps its slot
+(``weight_orig``, ``parametrizations.weight.original``), a weight taken off
 leaves its slot (no dead space), and new parameters (``weight_g``,
-``weight_v``, the weight ``remove`` puts back) are ordinary parameters of their
-module, as a new module's are (state dicts, gradient sync and removal see
-them). In per-tensor mode the modules are plain already: the calls run as is.
+``weight_v``, ``original0``, the weight ``remove`` puts back) are ordinary
+parameters of their module, as a new module's are (state dicts, gradient sync
+and removal see them). In per-tensor mode the modules are plain already: the
+calls run as is.
 
-What is wrapped are the methods every entry point calls (``WeightNorm.apply``
-and ``remove``, ``SpectralNorm.apply`` and ``remove``,
+What is wrapped are the methods every hook-based entry point calls
+(``WeightNorm.apply`` and ``remove``, ``SpectralNorm.apply`` and ``remove``,
 ``BasePruningMethod.apply``, which each pruning method's ``apply`` calls, and
-``remove``), so functions imported by name before the package are covered.
+``remove``), so functions imported by name before the package are covered, and
+``parametrize``'s two functions, which torch's parametrizations look up in
+their module (a name imported from it before the package is not covered).
 """
 
 from __future__ import annotations
@@ -28,12 +37,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from torch import nn
+
 from .on_import import is_ours
+from .parametrize_interop import FlatViewList, HiddenParametrizations
 from .plain_calls import on_plain_model
 
 __all__ = ["METHODS", "patch"]
 
-#: module -> (class, method, how the user reaches it) of each method wrapped.
+#: module -> (class or ``""`` for the module, function, how the user reaches it) of each function wrapped.
 METHODS = {
     "torch.nn.utils.weight_norm": (
         ("WeightNorm", "apply", "torch.nn.utils.weight_norm"),
@@ -47,18 +59,37 @@ METHODS = {
         ("BasePruningMethod", "apply", "torch.nn.utils.prune"),
         ("BasePruningMethod", "remove", "torch.nn.utils.prune.remove"),
     ),
+    "torch.nn.utils.parametrize": (
+        ("", "register_parametrization", "torch.nn.utils.parametrize.register_parametrization"),
+        ("", "remove_parametrizations", "torch.nn.utils.parametrize.remove_parametrizations"),
+    ),
 }
 
 
 def patch(module: ModuleType) -> None:
     """Wrap the methods of :data:`METHODS` in ``module``, once (a static or class method stays one)."""
     for cls_name, name, what in METHODS.get(module.__name__, ()):
-        cls = getattr(module, cls_name, None)
-        raw: Any = None if cls is None else cls.__dict__.get(name)
+        owner: Any = getattr(module, cls_name, None) if cls_name else module
+        raw: Any = None if owner is None else vars(owner).get(name)
         kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
         function = raw.__func__ if kind is not None else raw
         if not callable(function) or is_ours(function):
             continue
-        model_at = 0 if kind is staticmethod else 1  # after ``cls`` or ``self``
-        wrapped = on_plain_model(function, model_at, what)
-        setattr(cls, name, kind(wrapped) if kind is not None else wrapped)
+        model_at = 0 if kind is staticmethod or not cls_name else 1  # after ``cls`` or ``self``
+        check = _refuse_on_a_view if name == "register_parametrization" else None
+        wrapped = on_plain_model(function, model_at, what, check)
+        setattr(owner, name, kind(wrapped) if kind is not None else wrapped)
+
+
+def _refuse_on_a_view(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> None:
+    """Refuse, before anything changes, a parametrization on a view that torch's own container serves.
+
+    A module parametrized before registration holds the library's views in torch's
+    container, in both modes (``parametrize_interop.FlatViewList``): the call would be
+    refused inside ``unflattened()``, after the switch.
+    """
+    container = module.__dict__.get("parametrizations", module._modules.get("parametrizations"))
+    if container is None or isinstance(container, HiddenParametrizations):  # the library's alone: runs
+        return
+    if isinstance(container._modules.get(tensor_name), FlatViewList):
+        container._modules[tensor_name].append(None)  # its refusal, naming the attribute

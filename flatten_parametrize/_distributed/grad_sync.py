@@ -1,8 +1,10 @@
 """Data-parallel gradient sync over the flat buffers with torch.distributed.
 
 Every collective here works on a whole flat parameter (or its ``.grad``): one
-collective per group, no copy into buckets of our own. The transport is
-torch.distributed itself (gloo on CPU, NCCL on GPU).
+collective per group, no copy into buckets of our own. The module's parameters
+that no group holds are averaged and broadcast too, as DDP does with every
+parameter (``outside_params.py``). The transport is torch.distributed itself
+(gloo on CPU, NCCL on GPU).
 
 Overlap with backward (``enable_grad_sync``):
 
@@ -284,7 +286,7 @@ class GradSync:
 
     # ------------------------------------------------------------ collectives
     def all_reduce(self, process_group: dist.ProcessGroup | None, op: str) -> None:
-        """All-reduce every flat gradient (see ``FlatStorage.all_reduce_grads``)."""
+        """All-reduce every flat gradient and the outside ones (see ``FlatStorage.all_reduce_grads``)."""
         op = _check_op(op)
         pg, world = checked_process_group(process_group, "all_reduce_grads()")
         storage = self._storage
@@ -298,7 +300,7 @@ class GradSync:
                     work.wait()
 
     def broadcast(self, src: int, process_group: dist.ProcessGroup | None) -> None:
-        """Broadcast every flat parameter from ``src`` (see ``FlatStorage.broadcast_params``)."""
+        """Broadcast the flat and the outside parameters from ``src`` (``FlatStorage.broadcast_params``)."""
         if isinstance(src, bool) or not isinstance(src, int):
             raise TypeError(
                 f"broadcast_params(): src must be an int (a global rank); got {type(src).__name__} "

@@ -7,8 +7,9 @@ ranks would drift apart with no word: one left out at registration
 after it (timm's ``reset_classifier``, ``model.head = nn.Linear(...)``: the new
 module's parameters are ordinary, SPEC "Structure changes"), a parameter added
 to a plain submodule. DDP averages every parameter that requires grad; so do
-``enable_grad_sync`` and ``all_reduce_grads``, and ``broadcast_params`` copies
-them as DDP's constructor does.
+``enable_grad_sync``, ``all_reduce_grads`` and ``ShardedOptimizer`` (which
+syncs gradients itself), and ``broadcast_params`` and the optimizer's
+construction copy them as DDP's constructor does.
 
 :class:`OutsideParams` finds them: the module's parameters that are neither a
 ``FlatParameter`` nor a leaf of a live storage (per-tensor mode). The walk over
@@ -17,10 +18,11 @@ anywhere (its global registration hooks move :data:`GENERATION`) or a storage
 changed mode or layout (``_core/leaves.py``'s ``EPOCH``): a clean forward costs
 two integer comparisons. Each one that requires grad gets a post-accumulate-grad
 hook, so that a backward that reaches only them (a frozen body, a new head) is
-synced too. At the end of a synced backward :func:`reduce` averages their
-gradients in one collective per dtype and device, after a count of the ranks
-that produced each one: a gradient no rank produced stays ``None``, as under
-DDP; one that only some ranks produced is averaged with zeros.
+synced too. At the end of a synced backward :func:`reduce_once` averages their
+gradients (once per backward, however many optimizers end it) in one
+collective per dtype and device, after a count of the ranks that produced each
+one: a gradient no rank produced stays ``None``, as under DDP; one that only
+some ranks produced is averaged with zeros.
 
 Every rank must hold the same such parameters (the same model), as DDP needs.
 Buffers are left alone, as ``broadcast_params`` says.
@@ -132,7 +134,9 @@ def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
 class _Averaged:
     """The collectives over the outside gradients: ``wait()`` writes the averages back."""
 
-    def __init__(self, works: list[Any], counts: Tensor, buckets: list[tuple[list[nn.Parameter], Tensor]]):
+    def __init__(
+        self, works: list[Any], counts: Tensor, buckets: list[tuple[list[nn.Parameter], Tensor]]
+    ) -> None:
         self.works, self.counts, self.buckets = works, counts, buckets
 
     def wait(self) -> bool:

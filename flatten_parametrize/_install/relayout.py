@@ -299,9 +299,8 @@ def _register_again(
     for name, flat, names in plan.groups:
         params = []
         for qualified in names:
-            try:
-                param = root.get_parameter(qualified)
-            except AttributeError:  # the operation deleted it (or set it to None)
+            param = _registered(root, qualified)
+            if param is None:  # the operation deleted it (or set it to None)
                 continue
             why = misfit(param, flat)
             if why is not None:
@@ -316,9 +315,8 @@ def _register_again(
             groups[name] = params
     flats = [flat for _, flat, _ in plan.groups]
     for qualified in plan.orphans:
-        try:
-            param = root.get_parameter(qualified)
-        except AttributeError:
+        param = _registered(root, qualified)
+        if param is None:
             continue
         reasons = [misfit(param, flat) for flat in flats]
         if reasons and all(reasons):  # no group could hold it
@@ -328,6 +326,22 @@ def _register_again(
     specs = resolve_groups(root, groups)
     reuse = {name: flat for name, flat, _ in plan.groups}
     return build_storage(root, specs, plan.align, reuse, tx), released
+
+
+def _registered(root: nn.Module, qualified: str) -> nn.Parameter | None:
+    """Return the parameter registered as ``qualified``, or ``None``, without reading the attribute.
+
+    ``get_parameter`` reads it: a name that a torch parametrization now serves would be computed,
+    and ``spectral_norm``'s computation in training mode runs a power iteration (it moves its
+    vectors ``_u`` and ``_v``), which the plain model would not run.
+    """
+    path, _, attr = qualified.rpartition(".")
+    try:
+        owner = root.get_submodule(path)
+    except AttributeError:
+        return None
+    param = owner._parameters.get(attr)
+    return param if isinstance(param, nn.Parameter) else None
 
 
 # ------------------------------------------------------------ the injected methods

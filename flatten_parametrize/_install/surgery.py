@@ -13,6 +13,7 @@ state (mode, group records); these functions see it through its read API.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -338,6 +339,12 @@ def _restore_module(owner: nn.Module, params: dict[tuple[int, int], nn.Parameter
             return
         owner.__dict__.pop("parametrizations", None)
         owner._modules.pop("parametrizations", None)
+    elif container is not None and not len(container):
+        # torch's own, emptied while registered (remove_parametrizations in per-tensor mode): torch
+        # would have put the class before its parametrizations back, as here.
+        owner._modules.pop("parametrizations", None)
+        tx.set_attr(owner, "__class__", state.prev_class.__bases__[0])
+        return
     tx.set_attr(owner, "__class__", state.prev_class)
 
 
@@ -596,6 +603,26 @@ def _disown(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
     tx.on_undo(lambda: UNFLATTENED.__setitem__(owner, state))
 
 
+def _sync_torch_properties(state: ModuleState, tx: Transaction) -> None:
+    """Give the library's class the torch properties that torch's class has now (undoably with ``tx``).
+
+    The class of a module parametrized before registration holds a copy of
+    torch's properties (``module_classes.make_class``). In per-tensor mode torch
+    changes its own class only: ``remove_parametrizations`` deletes a property
+    (the copy would keep serving a parametrization that is gone),
+    ``register_parametrization`` on a buffer adds one.
+    """
+    injected, torch_class = state.injected, state.prev_class
+    for name, value in list(vars(injected).items()):
+        if isinstance(value, property) and name not in state.slots and name not in vars(torch_class):
+            delattr(injected, name)
+            tx.on_undo(functools.partial(setattr, injected, name, value))
+    for name, value in list(vars(torch_class).items()):
+        if isinstance(value, property) and name not in vars(injected):
+            setattr(injected, name, value)
+            tx.on_undo(functools.partial(delattr, injected, name))
+
+
 def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> None:
     """Flat mode again: ``owner`` gets the library's class, state and container back.
 
@@ -606,6 +633,11 @@ def _take_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> N
     if type(owner) is not state.prev_class and parametrize.is_parametrized(owner):
         _disown(owner, state, tx)
         return
+    if parametrize.is_parametrized(owner):
+        _sync_torch_properties(state, tx)
+    # The plain module's order now (torch's remove_parametrizations re-registers a weight last): the
+    # order that flat mode's state dicts and removal give back.
+    tx.set_attr(state, "order", list(owner._parameters))
     tx.keep_dict(owner.__dict__)
     owner.__dict__[MODULE_STATE_ATTR] = state
     UNFLATTENED.pop(owner, None)

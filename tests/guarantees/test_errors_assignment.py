@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrizations, parametrize
 
 from flatten_parametrize import register_flat_storage
 
@@ -177,14 +177,24 @@ def test_assigning_through_the_parametrization_is_refused():
     assert_unchanged(model, snap)
 
 
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["flat", "per-tensor"])
 @pytest.mark.parametrize("unsafe", [False, True])
-def test_adding_a_parametrization_on_top_of_a_flattened_attribute_is_refused(unsafe):
-    """register_parametrization on a flattened attribute is a RuntimeError naming it; nothing changes."""
-    model, _ = registered_bn_mlp()
+def test_a_parametrization_on_top_of_a_flattened_attribute_of_a_parametrized_module_is_refused(
+    unsafe, per_tensor
+):
+    """A module parametrized at registration holds the library's views in torch's container: refused.
+
+    (On a module without one, the call runs on the plain model: ``tests/interop/test_torch_renames.py``.)
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2))
+    storage = register_flat_storage(model)
+    if per_tensor:
+        storage.unflatten()
     snap = snapshot(model)
     with pytest.raises(
         RuntimeError,
-        match=r"(?s)(?=.*cannot add a parametrization on top of)(?=.*\bweight\b)",
+        match=r"(?s)(?=.*cannot add a parametrization on top of 0\.bias)(?=.*on a module that had none)",
     ):
-        parametrize.register_parametrization(model[0], "weight", Double(), unsafe=unsafe)
+        parametrize.register_parametrization(model[0], "bias", Double(), unsafe=unsafe)
     assert_unchanged(model, snap)

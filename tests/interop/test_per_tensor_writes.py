@@ -315,6 +315,7 @@ class _Double(nn.Module):
 PARAMETRIZATIONS: dict[str, Callable[[nn.Module], Any]] = {
     "weight_norm": nn.utils.parametrizations.weight_norm,
     "orthogonal": nn.utils.parametrizations.orthogonal,
+    "spectral_norm": nn.utils.parametrizations.spectral_norm,  # a power iteration per training read
     "register_parametrization": lambda m: torch.nn.utils.parametrize.register_parametrization(
         m, "weight", _Double()
     ),
@@ -344,7 +345,8 @@ def test_a_torch_parametrization_added_in_per_tensor_mode_is_laid_out_and_trains
     if call == "flat_params":
         storage.flat_params  # noqa: B018
     elif call == "forward under grad sync":
-        model(_tokens())
+        for m in (plain, model):  # spectral_norm's training forward moves its vectors: on both
+            m(_tokens())
     elif call == "flatten()":
         storage.flatten()
     else:
