@@ -337,7 +337,7 @@ class GradSync:
         _ = storage.module  # raises for a detached storage
         buffers = [group.grads for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
-        outside = OutsideParams(_outside_hook(weakref.ref(self)))
+        outside = OutsideParams(self)
         self.state = _SyncState(pg, world, len(storage.groups()), outside)
         self.rehook()
         self._watch_outside()
@@ -463,15 +463,6 @@ def _enable_again(storage: Coordinator, process_group: dist.ProcessGroup | None)
     sync = GradSync(storage)
     storage.add_feature(sync)
     sync.enable(process_group)
-
-
-def _outside_hook(ref: weakref.ref[GradSync]) -> Callable[[Tensor], None]:
-    def hook(param: Tensor) -> None:
-        sync = ref()
-        if sync is not None:
-            sync.grad_ready(None)
-
-    return hook
 
 
 def _grad_ready_hook(ref: weakref.ref[GradSync], g: int) -> Callable[[Tensor], None]:

@@ -83,14 +83,15 @@ class OutsideParams:
     """The outside parameters of one synced module, and a gradient hook on each that trains.
 
     Args:
-        on_grad: the hook of each (called with the parameter once a gradient was accumulated into it).
+        syncer: what syncs them (grad sync, a ``ShardedOptimizer``'s reducer), held weakly: each
+            hook calls its ``grad_ready(None)`` once a gradient was accumulated.
     """
 
     __slots__ = ("_handles", "_key", "_on_grad", "params")
 
-    def __init__(self, on_grad: Callable[[Tensor], None]) -> None:
+    def __init__(self, syncer: Any) -> None:
         _install()
-        self._on_grad = on_grad
+        self._on_grad = _hook(weakref.ref(syncer))
         self._key: tuple[int, int] | None = None
         #: The last walk's result.
         self.params: list[nn.Parameter] = []
@@ -121,6 +122,15 @@ class OutsideParams:
             handle.remove()
         self._handles.clear()
         self.params, self._key = [], None
+
+
+def _hook(ref: weakref.ref[Any]) -> Callable[[Tensor], None]:
+    def hook(param: Tensor) -> None:
+        syncer = ref()
+        if syncer is not None:
+            syncer.grad_ready(None)
+
+    return hook
 
 
 def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:

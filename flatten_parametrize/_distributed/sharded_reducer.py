@@ -56,7 +56,7 @@ class Reducer:
         self._comm = collectives
         self._shard_gradients = shard_gradients
         #: The module's parameters outside every group, averaged when backward ends.
-        self.outside = OutsideParams(_outside_hook(weakref.ref(self)))
+        self.outside = OutsideParams(self)
         self._begin(None)
 
     def _begin(self, task: int | None) -> None:
@@ -156,15 +156,6 @@ class Reducer:
                     outside.wait()
         finally:
             self._begin(None)
-
-
-def _outside_hook(ref: weakref.ref[Reducer]) -> Callable[[Tensor], None]:
-    def hook(param: Tensor) -> None:
-        live = ref()
-        if live is not None:
-            live.grad_ready(None)
-
-    return hook
 
 
 def ready_hook(reducer: Reducer) -> Callable[[Tensor], None]:

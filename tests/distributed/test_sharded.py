@@ -530,18 +530,22 @@ def _assert_ranks_equal(results: list[dict[str, Any]]) -> None:
         assert_same_values(other["sharded"], results[0]["sharded"])
 
 
+def _assert_every_config_trained_alike(results: list[dict[str, Any]]) -> None:
+    """Each rank's result of each configuration is the plain model's, and the ranks are equal."""
+    for config in results[0]:
+        per_rank = [r[config] for r in results]
+        for result in per_rank:
+            _assert_trained_alike(result, config)
+        _assert_ranks_equal(per_rank)
+
+
 # ------------------------------------------------------------ training on 2 and 3 ranks
 
 
 @pytest.mark.slow
 def test_training_equals_one_process_on_the_combined_batch(ranks):
     """AdamW (default, foreach, fused) and SGD with momentum, ZeRO-1 and 2: 5 steps like one process."""
-    results = launch_results(ranks, "training")
-    for config in results[0]:
-        per_rank = [r[config] for r in results]
-        for result in per_rank:
-            _assert_trained_alike(result, config)
-        _assert_ranks_equal(per_rank)
+    _assert_every_config_trained_alike(launch_results(ranks, "training"))
 
 
 @pytest.mark.slow
@@ -558,12 +562,7 @@ def test_per_tensor_mode_trains_like_the_plain_model_under_sharded_optimizer(ran
 @pytest.mark.slow
 def test_parameters_outside_the_groups_are_broadcast_and_averaged_as_under_ddp(ranks):
     """A head no group holds, stepped by its own AdamW: it trains like the plain model on every rank."""
-    results = launch_results(ranks, "outside_params")
-    for config in results[0]:
-        per_rank = [r[config] for r in results]
-        for result in per_rank:
-            _assert_trained_alike(result, config)
-        _assert_ranks_equal(per_rank)
+    _assert_every_config_trained_alike(launch_results(ranks, "outside_params"))
 
 
 @pytest.mark.slow
