@@ -246,17 +246,12 @@ class GradSync:
         forward is synced.
         """
         self.rehook()
-        self._watch_outside()
+        self.before_forward()
 
     def before_forward(self) -> None:
         """Per-tensor mode's forward (``_install/per_tensor.py``): watch the parameters outside the groups."""
-        self._watch_outside()
-
-    def _watch_outside(self) -> None:
-        state, storage = self.state, self._storage_ref()
-        root = None if storage is None else storage.module_or_none()
-        if state is not None and root is not None:
-            state.outside.watch(root)
+        if self.state is not None:
+            self.state.outside.watch()
 
     def on_removed(self) -> None:
         """Remove every hook that sync added."""
@@ -337,10 +332,10 @@ class GradSync:
         _ = storage.module  # raises for a detached storage
         buffers = [group.grads for group in storage.groups()]
         claim_sync(buffers, self, "enable_grad_sync() averages every flat gradient", [_CLAIM] * len(buffers))
-        outside = OutsideParams(self)
+        outside = OutsideParams(self, storage)
         self.state = _SyncState(pg, world, len(storage.groups()), outside)
         self.rehook()
-        self._watch_outside()
+        outside.watch()
         storage.per_tensor.update_hooks()
 
     def disable(self) -> None:
@@ -432,11 +427,12 @@ class GradSync:
         try:
             order = state.order if state.order is not None else list(range(len(self._storage.groups())))
             self._launch(state, order, final=True)
-            self._watch_outside()  # a parameter added since the forward (or used without it)
-            root, pg = self._storage.module_unchecked, state.process_group
-            outside = reduce_once(root, state.task, state.outside.training(), pg, state.world)
-            if outside is not None:
-                state.works.append(outside)
+            root = state.outside.watch()  # a parameter added since the forward (or used without it)
+            if root is not None:
+                pg = state.process_group
+                outside = reduce_once(root, state.task, state.outside.training(), pg, state.world)
+                if outside is not None:
+                    state.works.append(outside)
             for work in state.works:
                 work.wait()
             if state.order is None:

@@ -85,20 +85,29 @@ class OutsideParams:
     Args:
         syncer: what syncs them (grad sync, a ``ShardedOptimizer``'s reducer), held weakly: each
             hook calls its ``grad_ready(None)`` once a gradient was accumulated.
+        core: the storage whose registered module is watched (held weakly).
     """
 
-    __slots__ = ("_handles", "_key", "_on_grad", "params")
+    __slots__ = ("_core_ref", "_handles", "_key", "_on_grad", "params")
 
-    def __init__(self, syncer: Any) -> None:
+    def __init__(self, syncer: Any, core: Any) -> None:
         _install()
         self._on_grad = _hook(weakref.ref(syncer))
+        self._core_ref = weakref.ref(core)
         self._key: tuple[int, int] | None = None
         #: The last walk's result.
         self.params: list[nn.Parameter] = []
         self._handles: dict[int, tuple[nn.Parameter, RemovableHandle]] = {}
 
-    def watch(self, module: nn.Module) -> None:
-        """Walk ``module`` again if anything was registered since; hook each one that requires grad."""
+    def watch(self) -> nn.Module | None:
+        """Walk the registered module again if anything was registered since; hook each one that trains.
+
+        Returns the module (``None`` once it or its storage is gone: nothing is watched).
+        """
+        core = self._core_ref()
+        module = None if core is None else core.module_or_none()
+        if module is None:
+            return None
         key = (GENERATION[0], EPOCH[0])
         if key != self._key:
             self._key = key
@@ -111,6 +120,7 @@ class OutsideParams:
             if param.requires_grad and (found is None or found[0] is not param):
                 handle = param.register_post_accumulate_grad_hook(self._on_grad)
                 self._handles[id(param)] = (param, handle)
+        return module
 
     def training(self) -> list[nn.Parameter]:
         """Return the parameters of the last walk that require grad."""

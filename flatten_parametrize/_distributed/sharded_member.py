@@ -145,10 +145,7 @@ class Member:
 
     def refresh(self) -> None:
         """Watch the parameters outside the groups (flat parameters replaced come with on_rebacked)."""
-        core = self._core_ref()
-        root = None if core is None else core.module_or_none()
-        if root is not None:
-            self._outside.watch(root)
+        self._outside.watch()
 
     def before_forward(self) -> None:
         """Per-tensor mode's forward (``_install/per_tensor.py``): as :meth:`refresh`."""

@@ -56,7 +56,7 @@ class Reducer:
         self._comm = collectives
         self._shard_gradients = shard_gradients
         #: The module's parameters outside every group, averaged when backward ends.
-        self.outside = OutsideParams(self)
+        self.outside = OutsideParams(self, core)
         self._begin(None)
 
     def _begin(self, task: int | None) -> None:
@@ -146,10 +146,8 @@ class Reducer:
         try:
             self._launch(final=True)
             self.finish()
-            core = self._core_ref()
-            root = None if core is None else core.module_or_none()
+            root = self.outside.watch()  # a parameter added since the forward (or used without it)
             if root is not None:
-                self.outside.watch(root)  # a parameter added since the forward (or used without it)
                 comm = self._comm
                 outside = reduce_once(root, self._task, self.outside.training(), comm.group, comm.world)
                 if outside is not None:

@@ -273,7 +273,7 @@ def uninstall(storage: Coordinator, tx: Transaction) -> None:
     with torch.no_grad():
         values = [group.value_views() for group in groups]
         data = [values[s.group_index][s.index].clone() for s in slots]
-    gone = released(storage)
+    gone = released(storage, modules, values)
     for slot, value in zip(slots, data):
         if id(slot) in gone:
             continue
@@ -560,18 +560,22 @@ def _give_back_class(owner: nn.Module, state: ModuleState, tx: Transaction) -> N
     tx.set_attr(owner, "__class__", state.prev_class)
 
 
-def released(storage: Coordinator) -> set[int]:
+def released(
+    storage: Coordinator,
+    modules: dict[str, nn.Module] | None = None,
+    values: Sequence[Sequence[Tensor]] | None = None,
+) -> set[int]:
     """Return the ids of the dead slots whose parameter lives on with memory of its own.
 
     A module that torch parametrized in per-tensor mode (:func:`_disown`) keeps
     the parameter its slot had, which ``orthogonal``'s ``right_inverse`` gave
     other memory and values (torch's ``set_``): pointing it at the slot again, or
-    writing the slot's values into it, would undo torch's work.
+    writing the slot's values into it, would undo torch's work. ``modules`` and
+    each group's value views are computed unless the caller has them.
     """
-    modules = _modules(storage.module_unchecked)
+    modules = _modules(storage.module_unchecked) if modules is None else modules
     gone: set[int] = set()
     groups = storage.groups()
-    values = None
     for slot in storage.slots():
         if live_names(storage, slot, modules):
             continue
