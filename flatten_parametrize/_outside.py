@@ -22,8 +22,9 @@ from typing import Callable
 
 import torch
 
-from ._core import timm_decay, torch_renames, torchao_swaps
+from ._core import module_swaps, timm_decay, torch_renames, torchao_swaps
 from ._core.on_import import when_imported
+from ._core.plain_calls import Methods
 from ._distributed import dcp, lightning_ckpt
 
 __all__ = ["OUTSIDE", "SWITCH", "OutsideWrapper", "switched_off", "wrap_outside_code"]
@@ -67,6 +68,16 @@ _QUANTIZERS = (
     "Int4WeightOnlyQATQuantizer",
     "Float8ActInt4WeightQATQuantizer",
 )
+
+
+def _listed(methods: Methods) -> tuple[tuple[str, str], ...]:
+    """Return ``(module, function)`` of each entry of a table of functions run on the plain model."""
+    return tuple(
+        (module, f"{cls}.{method}" if cls else method)
+        for module, entries in methods.items()
+        for cls, method, _ in entries
+    )
+
 
 #: Every function of outside code that the package wraps.
 OUTSIDE: tuple[OutsideWrapper, ...] = (
@@ -165,11 +176,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
     ),
     OutsideWrapper(
         feature="torch's weight_norm, spectral_norm, pruning and parametrizations on the plain model",
-        functions=tuple(
-            (module, f"{cls}.{method}" if cls else method)
-            for module, methods in torch_renames.METHODS.items()
-            for cls, method, _ in methods
-        ),
+        functions=_listed(torch_renames.METHODS),
         patch=torch_renames.patch,
         why=(
             "`torch.nn.utils.weight_norm`, `spectral_norm`, the pruning functions of `torch.nn.utils.prune`, "
@@ -185,6 +192,25 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "name (`weight_orig`, `parametrizations.weight.original`) keeps its slot, a weight taken off "
             "leaves its slot, and new parameters (`weight_g`, `weight_v`, `original0`, the weight `remove` "
             "puts back) are ordinary parameters of their module"
+        ),
+        unchanged="a model in per-tensor mode; a call nested in a wrapped one",
+        left_out="call them inside `with storage.unflattened():` yourself",
+    ),
+    OutsideWrapper(
+        feature="SyncBatchNorm conversion and module fusion on the plain model",
+        functions=_listed(module_swaps.METHODS),
+        patch=module_swaps.patch,
+        why=(
+            "`torch.nn.SyncBatchNorm.convert_sync_batchnorm` (Lightning's `sync_batchnorm=True`) and "
+            "Lightning's `TorchSyncBatchNorm.revert` assign `new.weight = old.weight`, which torch refuses "
+            "for a view of a flat buffer (`cannot assign 'torch.FloatTensor' as parameter 'weight'`); "
+            "`torch.ao.quantization.fuse_modules` looks its fuser up by exact module class and fails with "
+            "`NotImplementedError: Cannot fuse eval modules` on the parametrized classes of flat mode"
+        ),
+        changes=(
+            "on a model in flat mode the call runs inside `storage.unflattened()`: a batch norm's "
+            "parameters keep their slots in the new module, the weights a fusion folds away leave their "
+            "slots, and the fused module's new parameters are ordinary parameters of their module"
         ),
         unchanged="a model in per-tensor mode; a call nested in a wrapped one",
         left_out="call them inside `with storage.unflattened():` yourself",

@@ -69,9 +69,9 @@ class FlatStorage:
 
     @property
     def _core(self) -> StorageCore:
-        # In per-tensor mode outside code writes to plain modules: each call that works on the buffers
-        # lands what it changed first (``_install/leaf_writes.py``), which may lay the groups out again
-        # (a new core). Inspection (module, group names, param_infos, repr) reads ``_held``.
+        # In per-tensor mode outside code writes to plain modules: each call that works on the buffers or
+        # shows the layout lands what it changed first (``_install/leaf_writes.py``), which may lay the
+        # groups out again (a new core). The module, group names and mode read ``_held``.
         # A removed storage (detached) raises here: its buffers are gone (``release_buffers``).
         core = self._held
         if core.is_flattened:
@@ -97,6 +97,13 @@ class FlatStorage:
     def __getstate__(self) -> None:
         # Refused as the core refuses it: the registered module pickles itself (``_install/pickling.py``).
         self._held.__getstate__()
+
+    def _shown(self) -> StorageCore:
+        """Return the core a repr shows: the layout as the model now is where it can be had (never raises)."""
+        try:
+            return self._core
+        except RuntimeError:  # removed, or a holder refuses the new layout: what the storage holds
+            return self._held
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatStorage:
         # The storage of the copied module: copying the module copies its core (``_install/copying.py``).
@@ -137,7 +144,7 @@ class FlatStorage:
     @property
     def param_infos(self) -> list[ParamInfo]:
         """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
-        return self._held.param_infos
+        return self._core.param_infos
 
     @property
     def is_flattened(self) -> bool:
@@ -394,7 +401,7 @@ class FlatStorage:
         return self._core.flat_state_dict()
 
     def __repr__(self) -> str:
-        return storage_repr(self._held)
+        return storage_repr(self._shown())
 
     def summary(self) -> str:
         """Return a text table of every flattened parameter: name, group, offset, numel, shape, dtype.
@@ -412,7 +419,7 @@ class FlatStorage:
             weight  0           0      6  (3, 2)  float32
             bias    0           6      3  (3,)    float32
         """
-        return summary_table(self._held)
+        return summary_table(self._core)
 
     def attach_optimizer(self, optimizer: Any) -> OptimizerAttachment:
         """Make ``optimizer`` save and load the plain model's per-parameter format.
@@ -458,7 +465,7 @@ class FlatStorage:
         return attach_optimizer(self, optimizer)
 
     def _repr_html_(self) -> str:
-        return storage_html(self._held)
+        return storage_html(self._shown())
 
     def plot_layout(self, **kwargs: Any) -> Any:
         """Draw the flat buffers: which parameter occupies which range (needs matplotlib).
@@ -487,7 +494,7 @@ class FlatStorage:
             >>> len(fig.axes)
             1
         """
-        return plot_layout(self._held, **kwargs)
+        return plot_layout(self._core, **kwargs)
 
     def all_reduce_grads(self, group: dist.ProcessGroup | None = None, op: str = "mean") -> None:
         """All-reduce the gradient of every flat parameter across ranks, one collective per group.

@@ -408,7 +408,7 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
             storage.group_names,
             # Read from the core: a call on the storage would first land per-tensor mode's writes.
             [id(g.flat) for g in core_of(storage).groups()],
-            storage.param_infos,
+            core_of(storage).param_infos,
             [_bits(g.flat) for g in core_of(storage).groups()],
         ),
     }
@@ -462,7 +462,7 @@ def assert_unchanged(model: nn.Module, snap: dict[str, Any]) -> None:
         assert storage.group_names == groups
         flats = [g.flat for g in core_of(storage).groups()]
         assert [id(f) for f in flats] == flat_ids, "a flat parameter was replaced"
-        assert storage.param_infos == infos
+        assert core_of(storage).param_infos == infos
         for g, (a, b) in enumerate(zip(flat_bits, [_bits(f) for f in flats])):
             assert _same_bits(a, b), f"flat parameter of group {groups[g]} changed value"
     assert now["state_keys"] == snap["state_keys"], "state_dict keys changed"

@@ -19,16 +19,22 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Mapping
 from contextlib import ExitStack
+from types import ModuleType
 from typing import Any, Callable
 
 from torch import nn
 
 from .features import refuse_held_layout
 from .names import library_state, registered_storage
-from .on_import import wrapper_of
+from .on_import import is_ours, wrapper_of
 
-__all__ = ["flat_storages_in", "on_plain_model"]
+__all__ = ["Methods", "flat_storages_in", "on_plain_model", "wrap_methods"]
+
+#: module -> ``(class or "" for the module itself, function, the entry point as users call it)`` of each
+#: function to run on the plain model.
+Methods = Mapping[str, tuple[tuple[str, str, str], ...]]
 
 #: The start of the dead-space warning of ``_install/dead_space.py``.
 _DEAD_SPACE = "a submodule replaced after registration leaves"
@@ -90,3 +96,28 @@ def on_plain_model(
             _running.depth = depth
 
     return wrapper_of(original, on_the_plain_model)
+
+
+def wrap_methods(
+    module: ModuleType, methods: Methods, checks: Mapping[str, Callable[..., None]] | None = None
+) -> None:
+    """Wrap ``module``'s functions listed in ``methods`` with :func:`on_plain_model`, once.
+
+    A static or class method stays one; the model is the first argument after ``cls`` or ``self``
+    (the first of a static method or a module's function).
+
+    Args:
+        module: the outside module, just imported.
+        methods: the functions to wrap, by module name.
+        checks: function name -> the ``check`` of :func:`on_plain_model` for it.
+    """
+    for cls_name, name, what in methods.get(module.__name__, ()):
+        owner: Any = getattr(module, cls_name, None) if cls_name else module
+        raw: Any = None if owner is None else vars(owner).get(name)
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        function = raw.__func__ if kind is not None else raw
+        if not callable(function) or is_ours(function):
+            continue
+        model_at = 0 if kind is staticmethod or not cls_name else 1  # after ``cls`` or ``self``
+        wrapped = on_plain_model(function, model_at, what, (checks or {}).get(name))
+        setattr(owner, name, kind(wrapped) if kind is not None else wrapped)

@@ -153,6 +153,10 @@ class Coordinator(Protocol):
         """The registered module, or ``None`` once it was garbage collected."""
 
     @property
+    def is_attached(self) -> bool:
+        """Whether the module is alive and this storage is registered on it."""
+
+    @property
     def module_unchecked(self) -> nn.Module:
         """The registered module, also while registration or removal is under way."""
 
@@ -186,6 +190,9 @@ class Coordinator(Protocol):
 
     def adopt_members(self, owners: list[tuple[nn.Module, ModuleState]]) -> None:
         """Take ``owners`` as the modules this storage changed."""
+
+    def current_names(self) -> list[tuple[str, ...]]:
+        """The names by which the tree reaches each slot now, in ``param_infos`` order (none: dead)."""
 
     def live_names(self) -> set[str]:
         """Every flattened name whose module was not replaced or deleted since registration."""

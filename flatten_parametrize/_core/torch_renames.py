@@ -39,14 +39,13 @@ from typing import Any
 
 from torch import nn
 
-from .on_import import is_ours
 from .parametrize_interop import FlatViewList, HiddenParametrizations
-from .plain_calls import on_plain_model
+from .plain_calls import Methods, wrap_methods
 
 __all__ = ["METHODS", "patch"]
 
 #: module -> (class or ``""`` for the module, function, how the user reaches it) of each function wrapped.
-METHODS = {
+METHODS: Methods = {
     "torch.nn.utils.weight_norm": (
         ("WeightNorm", "apply", "torch.nn.utils.weight_norm"),
         ("WeightNorm", "remove", "torch.nn.utils.remove_weight_norm"),
@@ -68,17 +67,7 @@ METHODS = {
 
 def patch(module: ModuleType) -> None:
     """Wrap the methods of :data:`METHODS` in ``module``, once (a static or class method stays one)."""
-    for cls_name, name, what in METHODS.get(module.__name__, ()):
-        owner: Any = getattr(module, cls_name, None) if cls_name else module
-        raw: Any = None if owner is None else vars(owner).get(name)
-        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-        function = raw.__func__ if kind is not None else raw
-        if not callable(function) or is_ours(function):
-            continue
-        model_at = 0 if kind is staticmethod or not cls_name else 1  # after ``cls`` or ``self``
-        check = _refuse_on_a_view if name == "register_parametrization" else None
-        wrapped = on_plain_model(function, model_at, what, check)
-        setattr(owner, name, kind(wrapped) if kind is not None else wrapped)
+    wrap_methods(module, METHODS, {"register_parametrization": _refuse_on_a_view})
 
 
 def _refuse_on_a_view(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> None:

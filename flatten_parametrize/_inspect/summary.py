@@ -26,9 +26,10 @@ def format_bytes(count: int) -> str:
 
 def _rows(storage: Coordinator) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
-    live = storage.live_names()
-    for info in storage.param_infos:
-        names = [name for name in (info.name, *info.aliases) if name in live]
+    infos = storage.param_infos
+    # the names the tree reaches each slot by now; a removed storage has no module to look them up in
+    current = storage.current_names() if storage.is_attached else [(i.name, *i.aliases) for i in infos]
+    for info, names in zip(infos, current):
         label = alias_label(names[0], tuple(names[1:])) if names else f"{info.name} (replaced: dead space)"
         rows.append(
             (
@@ -77,7 +78,7 @@ def header(storage: Coordinator) -> str:
         owner = "(collected module)"
     groups = storage.groups()
     total = sum(g.flat.numel() * g.flat.element_size() for g in groups)
-    mode = "flattened" if storage.is_flattened else "unflattened"
+    mode = "removed" if not storage.is_attached else "flattened" if storage.is_flattened else "unflattened"
     return (
         f"FlatStorage of {owner}: {len(groups)} group"
         f"{'s' if len(groups) != 1 else ''}, {len(storage.slots())} tensors, "

@@ -250,6 +250,15 @@ class StorageCore:
             state = found[1] if found is not None and found[0]() is module else None
         return state if isinstance(state, ModuleState) and state.storage is self else None
 
+    def current_names(self) -> list[tuple[str, ...]]:
+        """Return the names by which the tree reaches each slot now, in ``param_infos`` order (none: dead).
+
+        A module moved in the tree (fused into a container, put back by an adapter's merge) gives its
+        slots' current names.
+        """
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        return [surgery.live_names(self, slot, modules) for group in self._groups for slot in group.members]
+
     def live_names(self) -> set[str]:
         """Return every flattened name whose module is still where registration found it.
 

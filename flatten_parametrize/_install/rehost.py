@@ -32,7 +32,11 @@ __all__ = ["changes", "flatten_changed"]
 
 
 def changes(core: StorageCore) -> tuple[bool, bool]:
-    """Return whether a slot of unflattened ``core`` was re-hosted or holds a misfit; whether one is dead."""
+    """Return whether a slot of unflattened ``core`` was re-hosted or holds a misfit; whether one is dead.
+
+    A slot whose module moved in the tree (fused into a container) counts as dead here: its names
+    are renamed by the same relayout that reclaims dead space, when nothing holds the layout.
+    """
     root = core.module
     modules = dict(root.named_modules(remove_duplicate=False))
     held = held_names(modules)
@@ -44,8 +48,8 @@ def changes(core: StorageCore) -> tuple[bool, bool]:
         names = held.get(id(slot.param), ())
         if any(name not in live for name in names):
             changed = True  # re-hosted
-        elif not live:
-            dead = True
+        elif not live or not set(live) & set(slot.all_names):
+            dead = True  # replaced or deleted, or moved (then renamed)
         for name in live:
             owner, attr = surgery.locate(modules, name)
             if misfit(owner._parameters.get(attr), flat) is not None:

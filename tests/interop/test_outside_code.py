@@ -289,6 +289,64 @@ def test_torchs_renames_of_a_plain_model_are_the_originals(call: str, originals:
     assert got[0] == expected[0] and torch.equal(got[1], expected[1])
 
 
+def _layer_sync(package: str) -> Callable[[nn.Module], Any]:
+    """Lightning's ``TorchSyncBatchNorm`` (of ``package``): convert the model, then revert it."""
+
+    def run(model: nn.Module) -> Any:
+        plugin = importlib.import_module(f"{package}.plugins.layer_sync").TorchSyncBatchNorm()
+        return plugin.revert(plugin.apply(model))
+
+    return run
+
+
+#: name -> (module, wrapped function, a call of the library's public API that reaches it).
+MODULE_SWAPS: dict[str, tuple[str, str, Callable[[nn.Module], Any]]] = {
+    "convert_sync_batchnorm": (
+        "torch.nn.modules.batchnorm",
+        "SyncBatchNorm.convert_sync_batchnorm",
+        nn.SyncBatchNorm.convert_sync_batchnorm,
+    ),
+    "fuse_modules": (
+        "torch.ao.quantization.fuse_modules",
+        "_fuse_modules_helper",
+        lambda m: torch.ao.quantization.fuse_modules(m.eval(), [["0", "1", "2"]], inplace=True),
+    ),
+    "lightning revert": (
+        "lightning.pytorch.plugins.layer_sync",
+        "TorchSyncBatchNorm.revert",
+        _layer_sync("lightning.pytorch"),
+    ),
+    "pytorch_lightning revert": (
+        "pytorch_lightning.plugins.layer_sync",
+        "TorchSyncBatchNorm.revert",
+        _layer_sync("pytorch_lightning"),
+    ),
+}
+
+
+def _bn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
+
+
+def _swapped(run: Callable[[nn.Module], Any]) -> tuple[list[str], list[str], torch.Tensor]:
+    model = _bn_net()
+    run(model)
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0))
+    return [type(m).__name__ for m in model], list(model.state_dict()), model(x).detach()
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.ao.quantization is deprecated")
+@pytest.mark.parametrize("call", list(MODULE_SWAPS))
+def test_module_swaps_of_a_plain_model_are_the_originals(call: str, originals: Any) -> None:
+    module, function, run = MODULE_SWAPS[call]
+    got = _swapped(run)
+    originals(importlib.import_module(module), function)
+    assert not is_ours(_get(module, function))
+    expected = _swapped(run)
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
 # ------------------------------------------------------------------------ beside a user's own wrapper
 
 
@@ -402,6 +460,21 @@ def test_torchs_renames_work_beside_a_users_wrapper(call: str, users_wrapper: Us
     run(model[0])  # in flat mode: torch's KeyError or TypeError unless ours runs it on the plain model
     assert calls and calls[-1] == function.rpartition(".")[2]
     assert storage.is_flattened
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.ao.quantization is deprecated")
+@pytest.mark.parametrize("call", list(MODULE_SWAPS))
+def test_module_swaps_work_beside_a_users_wrapper(call: str, users_wrapper: UsersWrapper) -> None:
+    module, function, run = MODULE_SWAPS[call]
+    calls = users_wrapper(importlib.import_module(module), function)
+    model = _bn_net()
+    storage = register_flat_storage(model)
+    flat = storage.flat_params[0]
+    run(
+        model
+    )  # in flat mode: torch's TypeError or NotImplementedError unless ours runs it on the plain model
+    assert calls and calls[-1] == function.rpartition(".")[2]
+    assert storage.is_flattened and storage.flat_params[0] is flat
 
 
 # -------------------------------------------------------------------------------------- the switch

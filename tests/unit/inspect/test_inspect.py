@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from torch import nn
 
-from flatten_parametrize import register_flat_storage
+from flatten_parametrize import register_flat_storage, remove_flat_storage
 
 from _helpers import TiedLM
 
@@ -46,3 +49,41 @@ def test_repr_shows_mode_and_padding():
     assert "flattened" in repr(storage) and "padding 12" in repr(storage)
     storage.unflatten()
     assert "unflattened" in repr(storage).splitlines()[0]
+
+
+def _cropped() -> tuple[nn.Sequential, Any]:
+    """A model in per-tensor mode whose embedding was cropped as nanoGPT's ``crop_block_size`` does."""
+    model = nn.Sequential(nn.Embedding(16, 4), nn.Linear(4, 3))
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    model[0].weight = nn.Parameter(model[0].weight[:8])  # nanoGPT's two lines, for one weight
+    return model, storage
+
+
+@pytest.mark.parametrize("show", ["param_infos", "summary", "repr", "html"])
+def test_inspection_in_per_tensor_mode_shows_the_model_as_it_is_now(show: str) -> None:
+    """Each way to look at the layout lands a change made since the last call first, as named_views does."""
+    _, storage = _cropped()
+    if show == "param_infos":
+        assert [tuple(info.shape) for info in storage.param_infos] == [(8, 4), (3, 4), (3,)]
+    else:
+        text = {"summary": storage.summary, "repr": storage.__repr__, "html": storage._repr_html_}[show]()
+        assert "(8, 4)" in text and "(16, 4)" not in text
+
+
+def test_a_module_moved_in_the_tree_is_shown_under_its_new_name_not_as_dead_space() -> None:
+    """A layer put into a container (as a fusion does) keeps its slot: summary() names it where it is now."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    storage = register_flat_storage(model)
+    with storage.unflattened():
+        model[0] = nn.Sequential(model[0])
+    assert [info.name for info in storage.param_infos] == ["0.0.weight", "0.0.bias"]
+    assert "dead space" not in storage.summary() and "0.0.weight" in repr(storage)
+
+
+def test_repr_of_a_removed_storage_says_so_and_lists_the_slots_it_had() -> None:
+    model, storage = _cropped()
+    remove_flat_storage(model)
+    text = repr(storage)
+    assert text.splitlines()[0].endswith(", removed") and "0.weight" in text
+    assert "removed" in storage._repr_html_()
