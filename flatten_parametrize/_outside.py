@@ -197,7 +197,7 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
         left_out="call them inside `with storage.unflattened():` yourself",
     ),
     OutsideWrapper(
-        feature="SyncBatchNorm conversion and module fusion on the plain model",
+        feature="SyncBatchNorm conversion, module fusion and eager quantization on the plain model",
         functions=_listed(module_swaps.METHODS),
         patch=module_swaps.patch,
         why=(
@@ -205,12 +205,15 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "Lightning's `TorchSyncBatchNorm.revert` assign `new.weight = old.weight`, which torch refuses "
             "for a view of a flat buffer (`cannot assign 'torch.FloatTensor' as parameter 'weight'`); "
             "`torch.ao.quantization.fuse_modules` looks its fuser up by exact module class and fails with "
-            "`NotImplementedError: Cannot fuse eval modules` on the parametrized classes of flat mode"
+            "`NotImplementedError: Cannot fuse eval modules` on the parametrized classes of flat mode, and "
+            "`torch.ao.quantization`'s `convert` (behind `quantize_dynamic`, `prepare_qat`, `quantize`) "
+            "with an `AssertionError` naming the parametrized class"
         ),
         changes=(
-            "on a model in flat mode the call runs inside `storage.unflattened()`: a batch norm's "
-            "parameters keep their slots in the new module, the weights a fusion folds away leave their "
-            "slots, and the fused module's new parameters are ordinary parameters of their module"
+            "on a model in flat mode the call runs inside `storage.unflattened()`: a parameter that a new "
+            "module re-hosts (a `SyncBatchNorm`, a QAT module) keeps its slot, the weights a fusion folds "
+            "away or a quantized module packs leave their slots, and new parameters are ordinary "
+            "parameters of their module"
         ),
         unchanged="a model in per-tensor mode; a call nested in a wrapped one",
         left_out="call them inside `with storage.unflattened():` yourself",

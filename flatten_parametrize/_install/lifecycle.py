@@ -9,11 +9,13 @@ pickling registers again through :func:`install_storage` (``pickling.py``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from .._core.caller import caller_level
 from .._core.flat_parameter import FlatParameter, as_flat_parameter
 from .._core.grad import set_grad
 from .._core.layout import plan_group
@@ -52,6 +54,7 @@ def build_storage(
         layout = plan_group([tuple(s.param.shape) for s in spec.slots], align)
         first = spec.slots[0].param
         data = torch.empty(layout.numel, dtype=first.dtype, device=first.device)
+        _share_if_shared(data, spec)
         surgery.zero_padding(data, layout)
         with torch.no_grad():
             for offset, numel, shape, slot in zip(layout.offsets, layout.numels, layout.shapes, spec.slots):
@@ -83,6 +86,32 @@ def build_storage(
     core = StorageCore(target, [s.name for s in specs], flats, layouts, slots)
     install_storage(core, tx)
     return core
+
+
+def _share_if_shared(data: torch.Tensor, spec: GroupSpec) -> None:
+    """Put ``data``, a new flat buffer on the CPU, in shared memory where its group's tensors were.
+
+    ``model.share_memory()`` before registering (Hogwild training: processes that step one model in
+    shared memory) must keep working: a flat buffer in private memory would leave every other
+    process's steps unseen, silently. A group that mixes shared and private tensors shares them all,
+    with a warning naming the private ones.
+    """
+    if data.device.type != "cpu":
+        return
+    shared = [slot.param.is_shared() for slot in spec.slots]
+    if not any(shared):
+        return
+    data.share_memory_()
+    private = [slot.name for slot, is_shared in zip(spec.slots, shared) if not is_shared]
+    if private:
+        warnings.warn(
+            f"group '{spec.name}' mixes tensors in shared memory (model.share_memory()) and in private "
+            f"memory ({', '.join(private)}); its flat buffer is one block, so all of them are in shared "
+            "memory now and other processes see their updates too. Call share_memory() on the whole "
+            "model, or put the private ones in a group of their own",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
 
 
 def _point_at(param: nn.Parameter, slot: torch.Tensor, tx: Transaction) -> None:

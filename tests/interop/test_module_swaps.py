@@ -133,3 +133,56 @@ def test_fuse_modules_gives_the_plain_models_fused_model(mode: str, qat: bool, i
         _train(fused)
         _train(fused_plain)
         _assert_as_plain(fused, fused_plain)
+
+
+def _qat_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(tq.QuantStub(), nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3), tq.DeQuantStub())
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")
+@pytest.mark.parametrize("mode", MODES)
+def test_eager_qat_prepares_trains_and_converts_as_on_the_plain_model(mode: str) -> None:
+    """torch.ao's prepare_qat swaps each Linear for a QAT Linear that re-hosts its parameters."""
+    plain, model = _qat_net(), _qat_net()
+    storage = register_flat_storage(model)
+    if mode == "per-tensor":
+        storage.unflatten()
+    flat = storage.flat_params[0]
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    for m in (plain, model):
+        tq.prepare_qat(m.train(), inplace=True)
+    assert storage.flat_params[0] is flat and [info.name for info in storage.param_infos] == [
+        "1.weight",
+        "1.bias",
+        "3.weight",
+        "3.bias",
+    ]
+    for m in (plain, model):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    assert torch.equal(model(x), plain(x))
+    for m in (plain, model):
+        tq.convert(m.eval(), inplace=True)
+    assert type(model[1]) is type(plain[1]) and torch.equal(model(x), plain(x))
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "a copy"])
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_dynamic_gives_the_plain_models_quantized_model(mode: str, inplace: bool) -> None:
+    plain, model, storage = _twins(mode)
+    quantized_plain = tq.quantize_dynamic(plain.eval(), {nn.Linear}, dtype=torch.qint8)
+    quantized = tq.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8, inplace=inplace)
+    assert (quantized is model) == inplace
+    classes = [type_before_parametrizations(m) for m in quantized]
+    assert classes[3:] == [type(m) for m in quantized_plain][3:]  # the quantized Linear
+    assert torch.equal(quantized(X), quantized_plain(X))
+    if not inplace:  # the original is left as it was, in its mode
+        assert type_before_parametrizations(model[4]) is nn.Linear and storage.is_flattened == (
+            mode == "flat"
+        )

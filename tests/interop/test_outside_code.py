@@ -311,6 +311,11 @@ MODULE_SWAPS: dict[str, tuple[str, str, Callable[[nn.Module], Any]]] = {
         "_fuse_modules_helper",
         lambda m: torch.ao.quantization.fuse_modules(m.eval(), [["0", "1", "2"]], inplace=True),
     ),
+    "quantize_dynamic": (
+        "torch.ao.quantization.quantize",
+        "_convert",
+        lambda m: torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8, inplace=True),
+    ),
     "lightning revert": (
         "lightning.pytorch.plugins.layer_sync",
         "TorchSyncBatchNorm.revert",
