@@ -4,7 +4,8 @@ A user searches the page for the start of the message they got, so the quoted st
 be the real ones. Each quoted message (a paragraph that is one code span,
 ``ExceptionClass: message start``) must be the start of a string that the package source
 can build, f-string and ``str.format`` fields matching any text; the page's section on PyTorch's own messages
-is checked against ``torch/nn/modules/module.py`` and ``torch/optim/optimizer.py`` instead.
+is checked against ``torch/nn/modules/module.py``, ``torch/optim/optimizer.py`` and ``torch/_tensor.py``
+instead.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ def _package_templates() -> list[list[object]]:
 @cache
 def _torch_templates() -> list[list[object]]:
     torch_dir = Path(torch.__file__).parent
-    return _templates([torch_dir / "nn" / "modules" / "module.py", torch_dir / "optim" / "optimizer.py"])
+    return _templates(
+        [
+            torch_dir / "nn" / "modules" / "module.py",
+            torch_dir / "optim" / "optimizer.py",
+            torch_dir / "_tensor.py",
+        ]
+    )
 
 
 def _starts(template: list[object], text: str) -> bool:

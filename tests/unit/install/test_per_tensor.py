@@ -324,3 +324,24 @@ def test_a_groups_flat_gradient_is_final_during_backward_once_its_last_leaf_land
         model(torch.randn(2, 3)).sum().backward()
     assert seen == [("second", True), ("first", False)] * 2
     assert model.scale.grad is None  # as on the plain model
+
+
+@pytest.mark.parametrize("policy", [False, True], ids=["float32", "bfloat16 policy"])
+def test_a_leafs_post_accumulate_grad_hook_fires_once_per_backward_with_its_gradient(policy: bool):
+    """The fix docs/troubleshooting.md gives for torch's refusal of the hook on a flat-mode view."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = mlp(depth=2, width=4, seed=0)
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    with pytest.raises(
+        RuntimeError, match="post accumulate grad hooks cannot be registered on non-leaf tensors"
+    ):
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: None)  # flat mode: a view
+    storage.unflatten()
+    seen: list[torch.Tensor] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(3, 4)).float().sum().backward()
+        assert len(seen) == 1 and torch.equal(seen.pop(), dict(storage.named_grads())["0.weight"])
