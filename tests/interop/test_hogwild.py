@@ -17,7 +17,7 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
-from _helpers import assert_same_values
+from _helpers import assert_same_values, train_steps
 
 FORK = mp.get_context("fork")
 
@@ -28,12 +28,8 @@ def _net() -> nn.Sequential:
 
 
 def _train(model: nn.Module, seed: int) -> None:
-    torch.manual_seed(seed)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(4, 6)).square().mean().backward()
-        opt.step()
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + i)) for i in range(3)]
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), batches)
 
 
 def _trained_in_a_worker(model: nn.Module) -> None:

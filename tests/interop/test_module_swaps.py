@@ -28,7 +28,7 @@ from torch.nn.utils.parametrize import type_before_parametrizations
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import assert_same_values, values
+from _helpers import assert_same_values, train_steps, values
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*torch.ao.quantization is deprecated")
 
@@ -51,12 +51,8 @@ def _twins(mode: str) -> tuple[nn.Sequential, nn.Sequential, Any]:
     return plain, model, storage
 
 
-def _train(model: nn.Module, steps: int = 2) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(X).pow(2).mean().backward()
-        opt.step()
+def _train(model: nn.Module) -> None:
+    train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), [X, X])
 
 
 def _assert_as_plain(model: nn.Module, plain: nn.Module) -> None:
@@ -161,11 +157,7 @@ def test_eager_qat_prepares_trains_and_converts_as_on_the_plain_model(mode: str)
         "3.bias",
     ]
     for m in (plain, model):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for _ in range(3):
-            opt.zero_grad()
-            m(x).square().mean().backward()
-            opt.step()
+        train_steps(m, torch.optim.SGD(m.parameters(), lr=0.1), [x] * 3)
     assert torch.equal(model(x), plain(x))
     for m in (plain, model):
         tq.convert(m.eval(), inplace=True)
