@@ -99,7 +99,10 @@ class FlatStorage:
         self._held.__getstate__()
 
     def _shown(self) -> StorageCore:
-        """Return the core a repr shows: the layout as the model now is where it can be had (never raises)."""
+        """Return the core that inspection shows: the layout as the model now is where it can be had.
+
+        A removed storage, or a change that a holder of the layout refuses, shows what the storage holds.
+        """
         try:
             return self._core
         except RuntimeError:  # removed, or a holder refuses the new layout: what the storage holds
@@ -144,7 +147,7 @@ class FlatStorage:
     @property
     def param_infos(self) -> list[ParamInfo]:
         """Return one :class:`ParamInfo` per flattened slot, in group and buffer order."""
-        return self._core.param_infos
+        return self._shown().param_infos
 
     @property
     def is_flattened(self) -> bool:
@@ -419,7 +422,7 @@ class FlatStorage:
             weight  0           0      6  (3, 2)  float32
             bias    0           6      3  (3,)    float32
         """
-        return summary_table(self._core)
+        return summary_table(self._shown())
 
     def attach_optimizer(self, optimizer: Any) -> OptimizerAttachment:
         """Make ``optimizer`` save and load the plain model's per-parameter format.
@@ -494,7 +497,7 @@ class FlatStorage:
             >>> len(fig.axes)
             1
         """
-        return plot_layout(self._core, **kwargs)
+        return plot_layout(self._shown(), **kwargs)
 
     def all_reduce_grads(self, group: dist.ProcessGroup | None = None, op: str = "mean") -> None:
         """All-reduce the gradient of every flat parameter across ranks, one collective per group.

@@ -81,9 +81,25 @@ def test_a_module_moved_in_the_tree_is_shown_under_its_new_name_not_as_dead_spac
     assert "dead space" not in storage.summary() and "0.0.weight" in repr(storage)
 
 
-def test_repr_of_a_removed_storage_says_so_and_lists_the_slots_it_had() -> None:
+def test_inspection_of_a_removed_storage_says_so_and_lists_the_slots_it_had() -> None:
     model, storage = _cropped()
     remove_flat_storage(model)
     text = repr(storage)
     assert text.splitlines()[0].endswith(", removed") and "0.weight" in text
     assert "removed" in storage._repr_html_()
+    assert [info.name for info in storage.param_infos] == ["0.weight", "1.weight", "1.bias"]
+    assert storage.summary().splitlines()[2].startswith("0.weight")
+
+
+def test_inspection_shows_the_held_layout_while_a_holder_refuses_the_change() -> None:
+    """A change that cannot land (live ensemble stacks hold the layout) is refused by calls on the buffers."""
+    model = nn.Sequential(nn.Embedding(16, 4), nn.Linear(4, 3))
+    storage = register_flat_storage(model)
+    stacks = storage.stack(2)
+    storage.unflatten()
+    model[0].weight = nn.Parameter(model[0].weight[:8])
+    assert [tuple(info.shape) for info in storage.param_infos] == [(16, 4), (3, 4), (3,)]
+    assert "(16, 4)" in storage.summary() and "(16, 4)" in repr(storage)
+    with pytest.raises(RuntimeError, match="hold"):
+        list(storage.named_views())
+    del stacks
