@@ -69,6 +69,10 @@ _QUANTIZERS = (
     "Float8ActInt4WeightQATQuantizer",
 )
 
+#: What stays the original's, and the explicit way, for the wrappers that run a call on the plain model.
+_PLAIN_MODEL_UNCHANGED = "a model in per-tensor mode; a call nested in a wrapped one"
+_PLAIN_MODEL_LEFT_OUT = "call them inside `with storage.unflattened():` yourself"
+
 
 def _listed(methods: Methods) -> tuple[tuple[str, str], ...]:
     """Return ``(module, function)`` of each entry of a table of functions run on the plain model."""
@@ -171,8 +175,8 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "on a model in flat mode the call runs inside `storage.unflattened()`: a re-hosted parameter "
             "keeps its slot, a quantized weight leaves the storage with a warning"
         ),
-        unchanged="a model in per-tensor mode; a call nested in a wrapped one",
-        left_out="call them inside `with storage.unflattened():` yourself",
+        unchanged=_PLAIN_MODEL_UNCHANGED,
+        left_out=_PLAIN_MODEL_LEFT_OUT,
     ),
     OutsideWrapper(
         feature="torch's weight_norm, spectral_norm, pruning and parametrizations on the plain model",
@@ -193,8 +197,8 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "leaves its slot, and new parameters (`weight_g`, `weight_v`, `original0`, the weight `remove` "
             "puts back) are ordinary parameters of their module"
         ),
-        unchanged="a model in per-tensor mode; a call nested in a wrapped one",
-        left_out="call them inside `with storage.unflattened():` yourself",
+        unchanged=_PLAIN_MODEL_UNCHANGED,
+        left_out=_PLAIN_MODEL_LEFT_OUT,
     ),
     OutsideWrapper(
         feature="SyncBatchNorm conversion, module fusion and eager quantization on the plain model",
@@ -215,8 +219,8 @@ OUTSIDE: tuple[OutsideWrapper, ...] = (
             "away or a quantized module packs leave their slots, and new parameters are ordinary "
             "parameters of their module"
         ),
-        unchanged="a model in per-tensor mode; a call nested in a wrapped one",
-        left_out="call them inside `with storage.unflattened():` yourself",
+        unchanged=_PLAIN_MODEL_UNCHANGED,
+        left_out=_PLAIN_MODEL_LEFT_OUT,
     ),
 )
 

@@ -264,8 +264,7 @@ class StorageCore:
 
         A submodule replaced or deleted after registration leaves its names dead.
         """
-        modules = dict(self.module.named_modules(remove_duplicate=False))
-        return {name for slot in self._slots for name in surgery.live_names(self, slot, modules)}
+        return {name for names in self.current_names() for name in names}
 
     # ---------------------------------------------------------------- features
     def feature(self, kind: type[F]) -> F | None:
