@@ -77,7 +77,9 @@ class FlatStorage:
         if core.is_flattened:
             return core
         _ = core.module  # raises for a detached storage
-        return settle(core)
+        core = settle(core)
+        _ = core.module  # and for one the change removed (nothing it held was left in the model)
+        return core
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(

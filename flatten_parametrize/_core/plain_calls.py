@@ -30,7 +30,7 @@ from .features import refuse_held_layout
 from .names import library_state, registered_storage
 from .on_import import is_ours, wrapper_of
 
-__all__ = ["Methods", "flat_storages_in", "on_plain_model", "wrap_methods"]
+__all__ = ["Methods", "current_call", "flat_storages_in", "on_plain_model", "wrap_methods"]
 
 #: module -> ``(class or "" for the module itself, function, the entry point as users call it)`` of each
 #: function to run on the plain model.
@@ -38,8 +38,13 @@ Methods = Mapping[str, tuple[tuple[str, str, str], ...]]
 
 #: The start of the dead-space warning of ``_install/dead_space.py``.
 _DEAD_SPACE = "a submodule replaced after registration leaves"
-#: Depth of wrapped calls running in this thread (a nested one runs as is).
+#: Depth of wrapped calls running in this thread (a nested one runs as is), and the outermost one.
 _running = threading.local()
+
+
+def current_call() -> str | None:
+    """Return the entry point (as users call it) running on the plain model in this thread, if any."""
+    return getattr(_running, "what", None) if getattr(_running, "depth", 0) else None
 
 
 def flat_storages_in(model: Any) -> list[Any]:
@@ -84,6 +89,8 @@ def on_plain_model(
         for storage in storages:  # before the call changes anything (flatten() would refuse after it)
             refuse_held_layout(storage, what)
         _running.depth = depth + 1
+        if not depth:
+            _running.what = what
         try:
             with ExitStack() as stack:
                 for storage in storages:

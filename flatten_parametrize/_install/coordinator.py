@@ -126,6 +126,9 @@ class StorageCore:
         self.facade: Any = None
         #: The core that took this one's place when the groups were laid out again (``relayout.py``).
         self.replaced_by: StorageCore | None = None
+        #: Why the storage removed itself (nothing it held was left in the model), with the way on,
+        #: for the error of a later call on it (``None``: not removed so).
+        self.removed_why: str | None = None
         #: Switches the groups' gradient owners into and out of per-tensor mode (unflattened mode).
         self.per_tensor = PerTensorMode(self)
 
@@ -140,7 +143,9 @@ class StorageCore:
         module = self._root_ref()
         if module is None or registered_storage(module) is not self:
             raise RuntimeError(
-                "this flat storage is detached: its module was garbage collected or "
+                f"this flat storage is detached: {self.removed_why}"
+                if self.removed_why
+                else "this flat storage is detached: its module was garbage collected or "
                 "remove_flat_storage was called; use get_flat_storage(module) for the current one"
             )
         return module

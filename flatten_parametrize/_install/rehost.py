@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from .._core.features import layout_holders
 from .._core.fit import misfit
+from .._core.plain_calls import current_call
 from . import surgery
 from .coordinator import StorageCore
 from .relayout import held_names, relayout_flat
@@ -77,5 +78,5 @@ def flatten_changed(core: StorageCore) -> bool:
     free = not layout_holders(core) and not core.using_depth and core.pending is None
     if not changed and not (dead and free):
         return False
-    relayout_flat(core, "flatten()")
+    relayout_flat(core, current_call() or "flatten()")
     return True

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
@@ -106,12 +107,12 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
     finally:
         # Also when ``change`` raised: the model is flattened again as the operation left it,
         # as a plain model is left by a failed operation.
-        new, released = _register_again(plan)
+        new, left = _register_again(plan)
         plan.hand_over(new)
         plan.follow(new)
         if new is not None and not was_flat:
             new.unflatten()
-        plan.report(what, new, released, moved)
+        plan.report(what, new, left, moved)
 
 
 def relayout_flat(core: StorageCore, what: str) -> None:
@@ -127,17 +128,17 @@ def relayout_flat(core: StorageCore, what: str) -> None:
     core.sync_writes()
     plan = _Plan(core)
 
-    def change(tx: Transaction) -> tuple[StorageCore | None, list[tuple[str, str]], dict[int, Any]]:
+    def change(tx: Transaction) -> tuple[StorageCore | None, _Left, dict[int, Any]]:
         remove_in(core, tx)
         moved = plan.moved()
-        new, released = _register_again(plan, tx)
+        new, left = _register_again(plan, tx)
         plan.hand_over(new, tx)
-        return new, released, moved
+        return new, left, moved
 
-    new, released, moved = atomically(change)
+    new, left, moved = atomically(change)
     core.invalidate()
     plan.follow(new)
-    plan.report(what, new, released, moved)
+    plan.report(what, new, left, moved)
 
 
 class _Plan:
@@ -196,14 +197,37 @@ class _Plan:
             if new is not None:
                 function(new, *args)
 
-    def report(
-        self, what: str, new: StorageCore | None, released: list[tuple[str, str]], moved: dict[int, Any]
-    ) -> None:
+    def report(self, what: str, new: StorageCore | None, left: _Left, moved: dict[int, Any]) -> None:
         """After the change: record where optimizer state moves, warn about the tensors that left."""
         if new is not None:
             _record_moves(new, moved, self.before)
-        if released:
-            _warn_released(what, released, self.before, new)
+        if left.released:
+            _warn_released(what, left.released, _after(self.before, new))
+        if new is None:
+            self.core.removed_why = (
+                f"{what} removed it, as no tensor it held was left in the model; "
+                "register_flat_storage(model) flattens the parameters the model has now"
+            )
+            if not left.released:  # else that warning says it
+                warnings.warn(
+                    f"{what}: no tensor of the flat storage is left in the model ({', '.join(left.gone)}: "
+                    "their modules were replaced, or the names deleted or renamed), so the flat storage was "
+                    "removed (get_flat_storage(model) is None). The model's parameters are ordinary ones, "
+                    "as on the plain model; register_flat_storage(model) flattens them again",
+                    UserWarning,
+                    stacklevel=caller_level(),
+                )
+
+
+@dataclass
+class _Left:
+    """What left a storage laid out again (:func:`_register_again`)."""
+
+    #: ``(name, why)`` of each tensor that cannot live in its group's buffer (it stays on its module).
+    released: list[tuple[str, str]] = field(default_factory=list)
+    #: Each name whose slot's tensor is gone from the model (its module replaced, the name deleted or
+    #: renamed).
+    gone: list[str] = field(default_factory=list)
 
 
 def _record_moves(new: StorageCore, old_at: dict[int, tuple[str, int, int]], before: dict[str, int]) -> None:
@@ -244,21 +268,19 @@ def slot_names(
     return names + [name for name in held.get(id(slot.param), ()) if name not in names]
 
 
-def _warn_released(
-    what: str,
-    released: list[tuple[str, str]],
-    before: dict[str, int],
-    new: StorageCore | None,
-) -> None:
-    listed = ", ".join(f"{name} ({why})" for name, why in released)
+def _after(before: dict[str, int], new: StorageCore | None) -> str:
+    """Return what became of the groups (``before``: group name -> its flat parameter's numel)."""
     if new is None:
-        after = "nothing was left in it, so the flat storage was removed (get_flat_storage(model) is None)"
-    else:
-        sizes = {group.name: group.flat.numel() for group in new.groups()}
-        after = "; ".join(
-            f"group '{name}' was laid out again ({numel:,} -> {sizes.get(name, 0):,} elements)"
-            for name, numel in before.items()
-        )
+        return "nothing was left in it, so the flat storage was removed (get_flat_storage(model) is None)"
+    sizes = {group.name: group.flat.numel() for group in new.groups()}
+    return "; ".join(
+        f"group '{name}' was laid out again ({numel:,} -> {sizes.get(name, 0):,} elements)"
+        for name, numel in before.items()
+    )
+
+
+def _warn_released(what: str, released: list[tuple[str, str]], after: str) -> None:
+    listed = ", ".join(f"{name} ({why})" for name, why in released)
     warnings.warn(
         f"{what}: {len(released)} tensor(s) cannot live in a flat buffer and left the flat storage: "
         f"{listed}. They are ordinary parameters of their modules now, as on the plain model; {after}",
@@ -281,26 +303,28 @@ def check_relayout(core: StorageCore, what: str) -> None:
     refuse_held_layout(core, what)
 
 
-def _register_again(
-    plan: _Plan, tx: Transaction | None = None
-) -> tuple[StorageCore | None, list[tuple[str, str]]]:
+def _register_again(plan: _Plan, tx: Transaction | None = None) -> tuple[StorageCore | None, _Left]:
     """Register the groups of ``plan`` over its module's parameters now (as part of ``tx`` if given).
 
     Returns:
-        The new core (``None`` when no group has a parameter left), and each
-        name whose tensor cannot live in its group's buffer, with the reason
-        (also a slot's old name that nothing served before: anything else
-        there is a new module's own, left ordinary).
+        The new core (``None`` when no group has a parameter left), and what
+        left the storage: each name whose tensor cannot live in its group's
+        buffer, with the reason (also a slot's old name that nothing served
+        before: anything else there is a new module's own, left ordinary);
+        each name whose slot's tensor is gone from the model (its module
+        replaced, the name deleted or renamed).
     """
     root = plan.root
     seen: set[int] = set()
     groups: dict[str, list[nn.Parameter]] = {}
-    released: list[tuple[str, str]] = []
+    left = _Left()
+    released = left.released
     for name, flat, names in plan.groups:
         params = []
         for qualified in names:
             param = _registered(root, qualified)
             if param is None:  # the operation deleted it (or set it to None)
+                left.gone.append(qualified)
                 continue
             why = misfit(param, flat)
             if why is not None:
@@ -317,15 +341,18 @@ def _register_again(
     for qualified in plan.orphans:
         param = _registered(root, qualified)
         if param is None:
+            left.gone.append(qualified)
             continue
         reasons = [misfit(param, flat) for flat in flats]
         if reasons and all(reasons):  # no group could hold it
             released.append((qualified, str(reasons[0])))
+        else:
+            left.gone.append(qualified)  # a new module's own parameter: the slot's tensor is gone
     if not groups:
-        return None, released
+        return None, left
     specs = resolve_groups(root, groups)
     reuse = {name: flat for name, flat, _ in plan.groups}
-    return build_storage(root, specs, plan.align, reuse, tx), released
+    return build_storage(root, specs, plan.align, reuse, tx), left
 
 
 def _registered(root: nn.Module, qualified: str) -> nn.Parameter | None:

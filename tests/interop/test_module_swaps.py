@@ -178,3 +178,32 @@ def test_quantize_dynamic_gives_the_plain_models_quantized_model(mode: str, inpl
         assert type_before_parametrizations(model[4]) is nn.Linear and storage.is_flattened == (
             mode == "flat"
         )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantizing_every_flattened_module_removes_the_storage_with_a_warning(mode: str) -> None:
+    """Nothing left to flatten: said when it happens, and a later call on the storage says why it is gone."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    storage = register_flat_storage(model)
+    if mode == "per-tensor":
+        storage.unflatten()
+    gone = r"no tensor of the flat storage is left in the model \(0.weight, 0.bias, 2.weight, 2.bias: "
+    x = torch.randn(4, 6)
+    quantized_plain = tq.quantize_dynamic(plain, {nn.Linear}, dtype=torch.qint8)
+    if mode == "flat":  # converted on the plain model, then laid out again: nothing is left
+        with pytest.warns(UserWarning, match=gone):
+            tq.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        assert get_flat_storage(model) is None
+        removed_by = r"torch.ao.quantization's convert \(quantize_dynamic, prepare_qat, quantize\)"
+    else:  # a plain model already: the next call on the storage finds the modules replaced
+        tq.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        with pytest.warns(UserWarning, match=gone), pytest.raises(RuntimeError, match="detached"):
+            storage.flat_state_dict()
+        removed_by = r"per-tensor mode \(submodule 0 was replaced or deleted\)"
+    assert get_flat_storage(model) is None and [type(m) for m in model] == [type(m) for m in quantized_plain]
+    assert torch.equal(model(x), quantized_plain(x))
+    with pytest.raises(RuntimeError, match=f"this flat storage is detached: {removed_by} removed it, as no "):
+        storage.flat_state_dict()

@@ -139,6 +139,25 @@ def test_a_storage_whose_every_tensor_left_is_removed():
         storage.flatten()
 
 
+def test_a_storage_whose_every_module_was_replaced_is_removed_at_flatten_with_a_warning():
+    """Per-tensor mode: every flattened module replaced, flatten() removes the storage and says so."""
+    flat = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
+    storage = register_flat_storage(flat)
+    storage.unflatten()
+    with pytest.warns(UserWarning, match="dead space"):
+        flat[0], flat[2] = nn.Linear(3, 3), nn.Linear(3, 2)
+    new = list(flat.parameters())
+    with pytest.warns(UserWarning, match=r"flatten\(\): no tensor of the flat storage is left in the model"):
+        storage.flatten()
+    assert get_flat_storage(flat) is None and list(flat.parameters()) == new
+    assert all(type(p) is nn.Parameter for p in new) and type(flat[0]) is nn.Linear
+    removed = r"detached: flatten\(\) removed it.*register_flat_storage\(model\) flattens"
+    with pytest.raises(RuntimeError, match=removed):
+        storage.named_views()
+    register_flat_storage(flat)  # the way on that the message names
+    assert [n for n, _ in flat.named_parameters()] == ["flat_param_0"]
+
+
 def test_features_holding_the_layout_refuse_the_release_and_keep_unflattened_mode(tmp_path: Path):
     """While disk offload holds the layout, flatten() with a released weight raises; removal works."""
     flat = mlp()
