@@ -248,7 +248,10 @@ class LeafGrads:
         A leaf whose ``.grad`` is ``None``, whose accumulation this backward will run and whose slot
         no backward has filled yet gets its gradient converted straight into its slot of the flat
         gradient, and the slot is returned: autograd makes it the leaf's ``.grad`` without a copy
-        (and copies it if something else holds it). The others (a gradient to add to, a
+        (and copies it if something else holds it). A later micro-batch's gradient is added into the
+        slot that is the leaf's ``.grad`` here, when nothing watches the leaf's accumulation (no
+        hook of the user's or of a feature, no process group whose DDP may hook it): the leaf then
+        gets ``None`` from this backward. The others (a gradient to add to elsewhere, a
         ``torch.autograd.grad`` call, ``create_graph``) are converted into one new buffer.
 
         Args:
@@ -260,30 +263,45 @@ class LeafGrads:
         dtype = None if flat is None else flat.dtype
         out: list[Tensor | None] = [None] * len(grads)
         direct: list[tuple[int, int, Tensor]] = []  # (where in out, position, gradient)
+        added: list[tuple[Tensor, Tensor]] = []  # (slot, gradient)
         rest: list[tuple[int, Tensor]] = []
         task = graph_task_id()
-        self._quiet(task, flat)
+        quiet = self._quiet(task, flat) and not _distributed()
         pending = self._pending()
         positions, own = self._positions, self.leaves
         # create_graph: each gradient has a graph of its own; none lands in a slot
         slots = flat is not None and not torch.is_grad_enabled()
+        regions: list[Tensor] | None = None
         for where, (index, leaf, grad) in enumerate(zip(indices, leaves, grads)):
             if grad is None:
                 continue
             position = positions.get(index, -1)
-            if (
+            if not (
                 slots
                 and position >= 0
                 and own[position] is leaf
-                and leaf.grad is None
-                and position not in pending
                 and type(grad) is Tensor
+                and position not in pending
                 and self._accumulates(position)
             ):
+                rest.append((where, grad))
+                continue
+            current = leaf.grad
+            if current is None:
                 direct.append((where, position, grad))
+                continue
+            if quiet and regions is None and flat is not None:
+                base = BASE_GRAD.__get__(flat)
+                regions = [] if base is None or not base.is_contiguous() else self._regions_of(base)
+            if regions and _same_elements(current, regions[position]) and not _hooked(leaf):
+                # A micro-batch after the first: added into the slot that is the leaf's ``.grad``, as its
+                # accumulation would add it (nothing watches that accumulation: it gets no gradient).
+                added.append((current, grad))
             else:
                 rest.append((where, grad))
         with torch.no_grad():
+            if added:
+                torch._foreach_add_([slot for slot, _ in added], [grad for _, grad in added])
             if direct and flat is not None:
                 regions = self._regions_of(_flat_grad(flat, contiguous=True, empty=False)[0])
                 targets = [regions[position] for _, position, _ in direct]
@@ -303,7 +321,7 @@ class LeafGrads:
                 out[where] = grad
         return out
 
-    def _quiet(self, task: int, flat: Tensor | None) -> None:
+    def _quiet(self, task: int, flat: Tensor | None) -> bool:
         """Take the leaves' hooks out for backward ``task`` if nothing waits for the flat gradient during it.
 
         Such a backward lands every gradient in its slot here (:meth:`receive`), so the hooks would
@@ -311,12 +329,17 @@ class LeafGrads:
         (:meth:`reconcile`): a hook call per leaf and that pass were about 0.5% of a small GPT-2's
         forward+backward. Grad sync and ``ShardedOptimizer`` hook the flat parameter: then the
         leaves' hooks stay, to reduce during backward. The hooks are back when the backward ends.
+
+        Returns:
+            Whether the hooks are out for this backward.
         """
-        if self._quiet_task == task or not self._handles or flat is None:
-            return
-        if not has_post_accumulate_grad_hooks(flat):
-            self._quiet_task = task
-            queue_callback(_Quiet(self))
+        if self._quiet_task == task:
+            return True
+        if not self._handles or flat is None or has_post_accumulate_grad_hooks(flat):
+            return False
+        self._quiet_task = task
+        queue_callback(_Quiet(self))
+        return True
 
     def _pending(self) -> set[int]:
         """Return the positions whose slot holds a gradient a backward in progress has not accumulated."""
@@ -432,6 +455,16 @@ class _Quiet:
 
 class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can point at
     """The positions whose slots one backward filled and has not accumulated yet."""
+
+
+def _hooked(leaf: Tensor) -> bool:
+    """Return whether user code hooks ``leaf``'s gradient (``register_hook``, a post-accumulate hook)."""
+    return bool(leaf._backward_hooks) or has_post_accumulate_grad_hooks(leaf)
+
+
+def _distributed() -> bool:
+    """Return whether a default process group exists (DDP's reducer hooks the leaves' accumulation)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _converted(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:

@@ -179,11 +179,14 @@ def test_per_tensor_views_from_a_direct_call_and_activation_checkpointing():
 
 
 class _CountUpcasts(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the float32 tensors that backward writes a leaf-sized gradient into, by how."""
+    """Counts the float32 tensors that backward writes a leaf-sized gradient into, by how.
+
+    ``adds``: float32 gradients added to float32 ones (autograd accumulating a converted gradient).
+    """
 
     def __init__(self, sizes: set[int]) -> None:
         super().__init__()
-        self.sizes, self.new, self.copies = sizes, 0, 0
+        self.sizes, self.new, self.copies, self.adds = sizes, 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -191,6 +194,8 @@ class _CountUpcasts(torch.utils._python_dispatch.TorchDispatchMode):
             self.new += args[0].numel() in self.sizes
         if func is torch.ops.aten.copy_.default and args[0].dtype == args[1].dtype == torch.float32:
             self.copies += args[0].numel() in self.sizes
+        if func is torch.ops.aten.add_.Tensor and args[0].dtype == args[1].dtype == torch.float32:
+            self.adds += args[0].numel() in self.sizes
         return func(*args, **kwargs)
 
 
@@ -211,6 +216,37 @@ def test_backward_converts_each_gradient_straight_into_its_slot():
         for name, param in model.named_parameters():
             assert torch.equal(param.grad, plain.get_parameter(name).grad), name
             assert flat_grad.data_ptr() <= param.grad.data_ptr() < flat_grad.data_ptr() + flat_grad.nbytes
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["unwatched", "a leaf hooked"])
+def test_later_micro_batches_add_into_the_slots_as_the_reference_accumulates(hooked):
+    """No float32 buffer per micro-batch: each adds into the slots; a hooked leaf sees every gradient."""
+    plain = Block()
+    model, storage = _per_tensor(plain)
+    reference = cast_per_forward(plain)
+    sizes = {info.numel for info in storage.param_infos}
+    seen: list[torch.Tensor] = []
+    expected_seen: list[torch.Tensor] = []
+    if hooked:  # a hook of the user's watches the accumulation: that leaf takes autograd's path
+        model.up.weight.register_hook(lambda g: seen.append(g.clone()))
+        plain.up.weight.register_hook(lambda g: expected_seen.append(g.clone()))
+    for step, batches in enumerate((_batches(3), _batches(5)[3:])):
+        model.zero_grad(set_to_none=step == 0)
+        plain.zero_grad(set_to_none=step == 0)
+        for batch in batches:
+            accumulating = model.up.weight.grad is not None  # a gradient to add to
+            with _CountUpcasts(sizes) as counter:
+                _loss(model(batch)).backward()
+            _loss(reference(batch)).backward()
+            assert counter.new == 0 and counter.adds == (hooked and accumulating)
+            flat_grad = storage.flat_params[0].grad
+            for name, param in model.named_parameters():
+                assert torch.equal(param.grad, plain.get_parameter(name).grad), name
+                assert param.grad.data_ptr() - flat_grad.data_ptr() == 4 * storage.param_infos[
+                    [info.name for info in storage.param_infos].index(name)
+                ].offset, name
+    assert len(seen) == len(expected_seen) == 5 * hooked
+    assert all(torch.equal(a, b) for a, b in zip(seen, expected_seen))
 
 
 def test_autograd_grad_returns_gradients_of_their_own_and_leaves_the_slots_alone():
