@@ -66,7 +66,7 @@ from .engine import (
     will_execute,
 )
 
-__all__ = ["BASE_GRAD", "LeafGrads"]
+__all__ = ["BASE_GRAD", "LeafGrads", "process_group_exists"]
 
 #: torch's own ``Tensor.grad`` descriptor (``FlatParameter.grad`` extends it).
 BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
@@ -266,7 +266,7 @@ class LeafGrads:
         added: list[tuple[Tensor, Tensor]] = []  # (slot, gradient)
         rest: list[tuple[int, Tensor]] = []
         task = graph_task_id()
-        quiet = self._quiet(task, flat) and not _distributed()
+        quiet = self._quiet(task, flat) and not process_group_exists()
         pending = self._pending()
         positions, own = self._positions, self.leaves
         # create_graph: each gradient has a graph of its own; none lands in a slot
@@ -462,8 +462,8 @@ def _hooked(leaf: Tensor) -> bool:
     return bool(leaf._backward_hooks) or has_post_accumulate_grad_hooks(leaf)
 
 
-def _distributed() -> bool:
-    """Return whether a default process group exists (DDP's reducer hooks the leaves' accumulation)."""
+def process_group_exists() -> bool:
+    """Return whether a default process group exists (DDP may hook and reduce the leaves during backward)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 

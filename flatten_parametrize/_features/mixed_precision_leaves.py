@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from .._core.compiling import compiling_or_tracing
 from .._core.grad import GroupGrad
+from .._core.leaf_grads import process_group_exists
 from .._core.master_leaf import DIRTY, WATCHED, base_class, master_class
 from .._core.records import Coordinator, Group
 from .._core.transaction import Transaction
@@ -306,7 +307,7 @@ class LeafCompute:
                 record.graph = {}
         if not (torch.is_grad_enabled() and flat.requires_grad) or torch.is_inference_mode_enabled():
             return record.plain
-        by_owner = _distributed()
+        by_owner = process_group_exists()
         if not record.graph or record.by_owner_graph != by_owner:
             record.graph = {}
             record.by_owner_graph = by_owner
@@ -323,11 +324,6 @@ class LeafCompute:
                     )
                     record.graph.update(zip(indices, outputs))
         return record.graph
-
-
-def _distributed() -> bool:
-    """Return whether a default process group exists (DDP may reduce leaves during backward)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _put_back(done: list[_Swap]) -> None:
