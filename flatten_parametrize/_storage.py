@@ -76,9 +76,8 @@ class FlatStorage:
         core = self._held
         if core.is_flattened:
             return core
-        _ = core.module  # raises for a detached storage
-        core = settle(core)
-        _ = core.module  # and for one the change removed (nothing it held was left in the model)
+        core = settle(core)  # a no-op for a detached core
+        _ = core.module  # raises for a detached storage, also one the change removed (nothing was left)
         return core
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -266,7 +266,7 @@ class LeafGrads:
         added: list[tuple[Tensor, Tensor]] = []  # (slot, gradient)
         rest: list[tuple[int, Tensor]] = []
         task = graph_task_id()
-        quiet = self._quiet(task, flat) and not process_group_exists()
+        quiet = self._quiet(task, flat)
         pending = self._pending()
         positions, own = self._positions, self.leaves
         # create_graph: each gradient has a graph of its own; none lands in a slot
@@ -290,8 +290,9 @@ class LeafGrads:
             if current is None:
                 direct.append((where, position, grad))
                 continue
-            if quiet and regions is None and flat is not None:
-                base = BASE_GRAD.__get__(flat)
+            if regions is None:  # asked at the first gradient to add to, not at every backward
+                watched = not quiet or flat is None or process_group_exists()
+                base = None if watched else BASE_GRAD.__get__(flat)
                 regions = [] if base is None or not base.is_contiguous() else self._regions_of(base)
             if regions and _same_elements(current, regions[position]) and not _hooked(leaf):
                 # A micro-batch after the first: added into the slot that is the leaf's ``.grad``, as its

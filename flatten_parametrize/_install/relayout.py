@@ -340,14 +340,11 @@ def _register_again(plan: _Plan, tx: Transaction | None = None) -> tuple[Storage
     flats = [flat for _, flat, _ in plan.groups]
     for qualified in plan.orphans:
         param = _registered(root, qualified)
-        if param is None:
-            left.gone.append(qualified)
-            continue
-        reasons = [misfit(param, flat) for flat in flats]
+        reasons = [] if param is None else [misfit(param, flat) for flat in flats]
         if reasons and all(reasons):  # no group could hold it
             released.append((qualified, str(reasons[0])))
-        else:
-            left.gone.append(qualified)  # a new module's own parameter: the slot's tensor is gone
+        else:  # none there, or a new module's own parameter: the slot's tensor is gone
+            left.gone.append(qualified)
     if not groups:
         return None, left
     specs = resolve_groups(root, groups)
