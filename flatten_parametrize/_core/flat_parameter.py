@@ -76,7 +76,10 @@ class FlatParameter(nn.Parameter):
     optimizer step and ``zero_grad`` do) first copies the values written into
     views (``layer.weight.data = t``) into the buffer. In unflattened mode
     ``.grad`` is the members' leaf gradients in one tensor (they are views of
-    it; ``None`` while none has one), and assigning it assigns theirs.
+    it; ``None`` while none has one), and assigning it assigns theirs. After a
+    ``ShardedOptimizer(shard_gradients=True)`` backward it is a placeholder of
+    the gradient sharded over the ranks (clearing, zeroing, norms and scaling
+    reach the shards).
 
     Args:
         data: the one-dimensional buffer.
@@ -206,7 +209,8 @@ class FlatParameter(nn.Parameter):
             views = _served(self)
             if views is not None:
                 views.sync()
-                return views.grads.read(self)  # in unflattened mode: the leaves' gradients
+                # in unflattened mode: the leaves' gradients; a lent one's placeholder (ZeRO-2)
+                return views.grads.visible(self)
         return BASE_GRAD.__get__(self)
 
     @grad.setter

@@ -15,6 +15,9 @@ layout and holds, in one object:
   :meth:`GroupGrad.hand_out`, :meth:`GroupGrad.take_back`);
 * the memory that the group's autograd node (``split_node.py``) builds each
   flat gradient in, reused across steps on CPU (:meth:`GroupGrad.take`);
+* a gradient lent out (:meth:`GroupGrad.lend`): ZeRO-2 keeps each rank's
+  averaged part only and shows placeholders in its place (a :class:`Lent`),
+  so that every way torch clears a gradient reaches the one that holds it;
 * the group's :class:`FlatGradHook` objects, the seam where a feature sees
   each flat gradient as backward produces it (and may have it divided while
   it is built, or return a converted one), the dtype gradients travel in
@@ -45,6 +48,7 @@ __all__ = [
     "BASE_GRAD",
     "FlatGradHook",
     "GroupGrad",
+    "Lent",
     "PRESCALE_MIN_SEGMENT_BYTES",
     "check_sync",
     "claim_sync",
@@ -105,6 +109,35 @@ class FlatGradHook(Protocol):
         """
 
 
+class Lent(Protocol):
+    """A group's gradient that lives elsewhere: ZeRO-2 keeps each rank's averaged part of it only.
+
+    While a group's gradient is lent (:meth:`GroupGrad.lend`, after its owner
+    released the flat gradient), the flat parameter's ``.grad`` shows
+    :meth:`shown` when its own slot is empty, and in per-tensor mode each leaf's
+    ``.grad`` shows :meth:`leaf_shown`, so that torch's ways of clearing a
+    gradient (``p.grad = None``, ``zero_grad()`` with either ``set_to_none``)
+    see one. What clears it is reported back: assigning the flat gradient
+    recalls the whole loan (``cleared(None)``); a leaf whose ``.grad`` is not
+    its placeholder any more is reported with its member index when the lender
+    asks (:meth:`GroupGrad.check_lent`), when per-tensor mode ends, or when the
+    group's next gradient arrives (the placeholders leave the leaves then, so
+    that autograd accumulates as it does on a leaf without a gradient).
+    """
+
+    def shown(self) -> Tensor:
+        """Return the placeholder shown as the flat parameter's ``.grad``."""
+        ...
+
+    def leaf_shown(self, index: int) -> Tensor:
+        """Return the placeholder shown as the ``.grad`` of member ``index``'s leaf (per-tensor mode)."""
+        ...
+
+    def cleared(self, index: int | None) -> None:
+        """Take note that member ``index``'s gradient (``None``: the whole group's) was cleared."""
+        ...
+
+
 @dataclass(frozen=True)
 class _SyncClaim:
     """Who reduces a group's flat gradient across ranks, and what a second claimant is told."""
@@ -146,7 +179,18 @@ class GroupGrad:
         layout: the group's layout.
     """
 
-    __slots__ = ("_claim", "_kept", "_lock", "_targets", "hooks", "keep", "layout", "leaves", "reduce_dtype")
+    __slots__ = (
+        "_claim",
+        "_kept",
+        "_lock",
+        "_targets",
+        "hooks",
+        "keep",
+        "layout",
+        "leaves",
+        "lent",
+        "reduce_dtype",
+    )
 
     #: Two buffers: with gradients kept across steps (accumulation, ``set_to_none=False``)
     #: one is the flat gradient while backward fills the other.
@@ -171,6 +215,8 @@ class GroupGrad:
         self.reduce_dtype: torch.dtype | None = None
         #: The members' leaf parameters and their hooks in per-tensor mode; ``None`` in flat mode.
         self.leaves: LeafGrads | None = None
+        #: The gradient lent out (:meth:`lend`), shown by placeholders; ``None``: none.
+        self.lent: Lent | None = None
 
     # ------------------------------------------------------------ the flat gradient
     def read(self, flat: Tensor) -> Tensor | None:
@@ -182,11 +228,50 @@ class GroupGrad:
         leaves = self.leaves
         return BASE_GRAD.__get__(flat) if leaves is None else leaves.reconcile(flat)
 
+    def visible(self, flat: Tensor) -> Tensor | None:
+        """Return what ``flat.grad`` shows: :meth:`read`, or where that is ``None`` the lent placeholder."""
+        grad = self.read(flat)
+        lent = self.lent
+        return grad if grad is not None or lent is None else lent.shown()
+
     def assign(self, flat: Tensor, value: Tensor | None) -> None:
-        """Make ``value`` the flat gradient of ``flat``; in per-tensor mode every leaf's gradient its view."""
+        """Make ``value`` the flat gradient of ``flat``; in per-tensor mode every leaf's gradient its view.
+
+        A gradient lent out is recalled: it was cleared (``flat.grad = None``) or replaced.
+        """
+        self._recall()
         set_grad(flat, value)
         if self.leaves is not None:
             self.leaves.point_at(value)
+
+    def lend(self, lent: Lent) -> None:
+        """Show ``lent``'s placeholders as the group's gradient (the flat one, per-tensor mode's leaves).
+
+        Its owner calls it after it released the flat gradient (:meth:`release`): the slots are empty.
+        """
+        self._recall()
+        self.lent = lent
+        if self.leaves is not None:
+            self.leaves.lend(lent)
+
+    def recall(self, lent: Lent) -> None:
+        """End the loan of ``lent`` if it is the group's (its owner leaves): the placeholders go."""
+        if self.lent is lent:
+            self._recall()
+
+    def check_lent(self) -> None:
+        """Report to the lent gradient each leaf whose ``.grad`` is not its placeholder any more."""
+        if self.leaves is not None and self.lent is not None:
+            self.leaves.check_lent()
+
+    def _recall(self) -> None:
+        lent = self.lent
+        if lent is None:
+            return
+        self.lent = None
+        if self.leaves is not None:
+            self.leaves.withdraw(report=False)
+        lent.cleared(None)
 
     def release(self, flat: Tensor) -> None:
         """Drop the flat gradient of ``flat`` (ZeRO-2 keeps this rank's slice only; ``del flat.grad``)."""
@@ -281,9 +366,14 @@ class GroupGrad:
         fresh = LeafGrads(flat, leaves, self.split)
         tx.on_undo(fresh.close)
         tx.set_attr(self, "leaves", fresh)
+        if self.lent is not None:
+            fresh.lend(self.lent)
 
     def exit_leaves(self, tx: Transaction) -> None:
-        """Per-tensor mode ends (undone with ``tx``): unhook the leaves; the flat gradient is the slot's."""
+        """Per-tensor mode ends (undone with ``tx``): unhook the leaves; the flat gradient is the slot's.
+
+        A lent gradient's placeholders leave the leaves; a leaf that had lost its own is reported cleared.
+        """
         leaves = self.leaves
         if leaves is None:
             return
@@ -372,7 +462,7 @@ class GroupGrad:
             return out, None, []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GroupGrad:
-        return GroupGrad(self.layout)  # a copy's gradients are its own: no memory, hooks or claim
+        return GroupGrad(self.layout)  # a copy's gradients are its own: no memory, hooks, claim or loan
 
 
 def check_sync(buffers: Sequence[GroupGrad], owner: object, what: str) -> None:

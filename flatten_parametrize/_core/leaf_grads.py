@@ -92,6 +92,8 @@ class LeafGrads:
         "_gap_ranges",
         "_handles",
         "_left",
+        "_lent",
+        "_lent_hooks",
         "_positions",
         "_quiet_task",
         "_regions",
@@ -131,6 +133,12 @@ class LeafGrads:
         #: Backward (graph task) -> the positions whose slot holds a gradient that backward has not
         #: accumulated yet (:meth:`receive`), held by that backward only: gone when it ends or raises.
         self._claims: dict[int, weakref.ref[_Claims]] = {}
+        #: A lent gradient (``grad.Lent``) and the placeholder shown as each leaf's ``.grad``; ``None``
+        #: while none is lent.
+        self._lent: tuple[Any, list[Tensor]] | None = None
+        #: The hooks that take the placeholders out when the group's next gradient arrives (removed
+        #: outside backward: a hook may not remove the hooks being called).
+        self._lent_hooks: list[RemovableHandle] = []
         self.reopen()
 
     def holds(self, flat: Tensor, leaves: Sequence[tuple[int, Tensor]]) -> bool:
@@ -153,6 +161,7 @@ class LeafGrads:
 
     def close(self) -> None:
         """Unhook the leaves and forget the backward in flight (per-tensor mode ends)."""
+        self.withdraw(report=True)
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -206,6 +215,8 @@ class LeafGrads:
     def reconcile(self, flat: Tensor) -> Tensor | None:
         """Make ``flat``'s gradient hold its leaves' gradients; return it (``None``: no leaf has one)."""
         grads = [leaf.grad for leaf in self.leaves]
+        if self._lent is not None:  # a placeholder is no gradient of this process
+            grads = [None if grad is shown else grad for grad, shown in zip(grads, self._lent[1])]
         if all(grad is None for grad in grads):
             return None
         pending = self._pending()
@@ -370,8 +381,56 @@ class LeafGrads:
             self._accumulators[position] = node
         return node
 
+    # ------------------------------------------------------------ a lent gradient
+    def lend(self, lent: Any) -> None:
+        """Show ``lent``'s placeholder (a ``grad.Lent``) as the ``.grad`` of each leaf that has none.
+
+        A hook on each leaf takes every placeholder out when the first of the group's next gradients
+        arrives, before autograd accumulates it (into nothing, as on a leaf without a gradient).
+        """
+        self.withdraw(report=False)
+        if not self._handles:  # the flat parameter does not require grad
+            return
+        shown = [lent.leaf_shown(index) for index in self.indices]
+        for leaf, placeholder in zip(self.leaves, shown):
+            if leaf.grad is None:
+                leaf.grad = placeholder
+        take_out = _taking_out(weakref.ref(self))
+        self._lent = (lent, shown)
+        self._lent_hooks = [leaf.register_hook(take_out) for leaf in self.leaves]
+
+    def check_lent(self) -> None:
+        """Report to the lent gradient each leaf whose ``.grad`` is not its placeholder any more."""
+        if self._lent is not None:
+            lent, shown = self._lent
+            for index, leaf, placeholder in zip(self.indices, self.leaves, shown):
+                if leaf.grad is not placeholder:
+                    lent.cleared(index)
+
+    def withdraw(self, report: bool, unhook: bool = True) -> None:
+        """Take the lent gradient's placeholders out of the leaves (``report``: the cleared ones first).
+
+        Args:
+            report: tell the lent gradient which leaves lost their placeholder first.
+            unhook: remove the hooks that would have done it (not from inside one of them).
+        """
+        held = self._lent
+        if unhook:
+            hooks, self._lent_hooks = self._lent_hooks, []
+            for handle in hooks:
+                handle.remove()
+        if held is None:
+            return
+        if report:
+            self.check_lent()
+        self._lent = None
+        for leaf, placeholder in zip(self.leaves, held[1]):
+            if leaf.grad is placeholder:
+                leaf.grad = None
+
     def point_at(self, value: Tensor | None) -> None:
         """Make every leaf's gradient its view of ``value``, the new flat gradient (``None``: ``None``)."""
+        self.withdraw(report=False)
         self._regions = None
         regions = None if value is None else self._regions_of(value)
         for position, leaf in enumerate(self.leaves):
@@ -493,6 +552,17 @@ def _same_elements(grad: Tensor, region: Tensor) -> bool:
         )
     except RuntimeError:  # tensors without storage (vmap, functorch wrappers)
         return False
+
+
+def _taking_out(ref: weakref.ref[LeafGrads]) -> Callable[[Tensor], None]:
+    """Return the hook of the leaves while a gradient is lent: a first gradient takes the placeholders out."""
+
+    def hook(grad: Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.withdraw(report=True, unhook=False)
+
+    return hook
 
 
 def _landing(ref: weakref.ref[LeafGrads]) -> Callable[[Tensor], None]:

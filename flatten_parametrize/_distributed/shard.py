@@ -79,6 +79,19 @@ class Shard:
             padded[: values.numel()].copy_(values)
             set_grad(self.param, padded)
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop (or zero) the slice's gradient."""
+        grad = self.param.grad
+        if grad is None:
+            return
+        if set_to_none:
+            set_grad(self.param, None)
+        else:
+            grad.zero_()
+
+    def drop_piece(self, index: int) -> None:
+        """Drop member ``index``'s gradient where it is a tensor of its own (a slice has none)."""
+
     def assemble(self, pieces: Iterable[tuple[int, Tensor]], like: Tensor) -> Tensor:
         """Return a new zero-padded slice built from ``(flat offset, values)`` pieces overlapping it."""
         out = torch.zeros(self.chunk, dtype=like.dtype, device=self.param.device)
@@ -174,6 +187,12 @@ class TensorShard(Shard):
                 set_grad(piece, None)
         else:
             grad.zero_()
+
+    def drop_piece(self, index: int) -> None:
+        """Drop member ``index``'s gradient (the inner optimizer skips it, as a parameter without one)."""
+        piece = self.pieces.get(index)
+        if piece is not None:
+            set_grad(piece, None)
 
     def _point_pieces(self) -> None:
         grad = self.param.grad

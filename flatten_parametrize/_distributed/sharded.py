@@ -72,6 +72,7 @@ from .sharded_args import (
     whole_tensor_groups,
 )
 from .sharded_collectives import Collectives
+from .sharded_grads import model_grads
 from .sharded_local import LocalOptimizers, LocalStep, WholeTensorStep, no_checkpoints
 from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
 from .sharded_partition import Member as PartitionMember
@@ -114,9 +115,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     on). ``state[flat]`` is this rank's slice of that flat parameter's state
     (empty until the first step, as in any torch optimizer) and
     ``local_optimizer`` the inner optimizer over the slices. After
-    backward a flat parameter's ``.grad`` is ``None`` with
-    ``shard_gradients=True`` (and the storage keeps no reusable full-size
-    gradient memory), the averaged gradient with ``False``. Flat parameters
+    backward with ``shard_gradients=True`` the storage keeps no full-size
+    gradient memory, and a flat parameter's ``.grad`` (a leaf's in
+    per-tensor mode) is a placeholder of the gradient sharded over the ranks:
+    clearing it (``model.zero_grad()``, ``p.grad = None``), zeroing it,
+    ``torch.nn.utils.clip_grad_norm_`` through it (by the global norm, on
+    every rank) and scaling it reach this rank's part; reading its values
+    raises. With ``False`` it is the whole averaged gradient, from which each
+    step takes the slices' gradients. Flat parameters
     that do not require grad at construction get no slice and no state; flat
     parameters outside ``params`` are neither synced nor stepped. Train in
     flat mode (the backward must reach the flat parameters); each flat
@@ -211,11 +217,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if wholes is None
             else TensorOwnership(world, self._comm.rank, _members_of(core, wholes, allow_unlisted))
         )
+        #: The gradients as the model shows them (ZeRO-2: placeholders of the shards), settled before
+        #: each update.
+        self._grads = model_grads(core, self._ownership, self._comm, self._shard_gradients)
         #: The gradient path during backward.
-        self._reducer = Reducer(core, self._ownership, self._comm, self._shard_gradients)
+        self._reducer = Reducer(core, self._ownership, self._comm, self._grads)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
         self._member = Member(
-            self, core, self._shard_gradients, _follower(weakref.ref(self)), self._reducer.outside
+            self,
+            core,
+            self._shard_gradients,
+            _follower(weakref.ref(self)),
+            self._reducer.outside,
+            self._grads,
         )
         self._building = True
         if wholes is None:
@@ -360,6 +374,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         super().zero_grad(set_to_none)
         self._local.zero_grad(set_to_none)
+        self._grads.before_update()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's slices with the inner optimizer, then gather every slice on every rank.
@@ -378,6 +393,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._follow(strict=True)
+        self._grads.before_update()  # what was cleared or scaled through the model's parameters
         self._local.step(self.param_groups)
         self._comm.gather_slices(self._ownership.shards)
         self._link_state()
@@ -407,6 +423,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Example:
             >>> norm = opt.clip_grad_norm_(1.0)
         """
+        self._grads.before_update()
         return self._local.clip_grad_norm_(
             self._comm,
             lambda: self._comm.device(self._storage().flat_params),

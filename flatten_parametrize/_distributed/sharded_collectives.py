@@ -200,9 +200,16 @@ class Collectives:
 
     def total_norm(self, local: Tensor, p: float, device: torch.device) -> Tensor:
         """Return the p-norm over all ranks from this rank's part (its max for ``inf``, else a p-th power)."""
-        total = local.reshape(1).to(device)
+        return self.total_norms(local.reshape(1), p, device)[0]
+
+    def total_norms(self, local: Tensor, p: float, device: torch.device) -> Tensor:
+        """Return p-norms over all ranks, one all-reduce, from this rank's parts (as :meth:`total_norm`).
+
+        ``p = 0`` counts the non-zero elements (the parts are counts).
+        """
+        total = local.reshape(-1).to(device)
         if math.isinf(p):
             dist.all_reduce(total, dist.ReduceOp.MAX, group=self.group)
-            return total[0]
+            return total
         dist.all_reduce(total, group=self.group)
-        return (total ** (1.0 / p))[0]
+        return total if p == 0 else total ** (1.0 / p)

@@ -205,7 +205,7 @@ class WholeTensorStep(LocalStep):
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset the gradients of this rank's ranges and tensors."""
         for shard in self._ownership.shards:
-            shard.zero_grad(set_to_none)  # type: ignore[attr-defined]  # TensorShard
+            shard.zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none)
 
     def state_by_flat(self) -> dict[Tensor, dict[str, Any]]:

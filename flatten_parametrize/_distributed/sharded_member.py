@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
@@ -64,6 +64,12 @@ def live_core(ref: weakref.ref[Coordinator]) -> Coordinator:
     return core
 
 
+class _Closes(Protocol):
+    """What goes with the optimizer when it leaves (``sharded_grads.ShownGrads``)."""
+
+    def close(self) -> None: ...
+
+
 class Member:
     """A ShardedOptimizer's part on its storage's core: a feature, and the flat-gradient hook of its groups.
 
@@ -83,6 +89,7 @@ class Member:
         rebacked: called when the core replaced or moved flat parameters.
         outside: the module's parameters outside every group that the optimizer's
             reducer averages; watched at each forward (``outside_params.py``).
+        shown: ZeRO-2's placeholders of the gradients (``None``: ZeRO-1); they go when it leaves.
     """
 
     def __init__(
@@ -92,8 +99,10 @@ class Member:
         releases_gradient: bool,
         rebacked: Callable[[], None],
         outside: OutsideParams,
+        shown: _Closes | None,
     ) -> None:
         self._claimant = weakref.ref(claimant)
+        self._shown = shown
         self._core_ref = weakref.ref(core)
         self._rebacked = rebacked
         self._outside = outside
@@ -129,6 +138,8 @@ class Member:
         for handle in handles.values():
             handle.remove()
         self._outside.close()
+        if self._shown is not None:
+            self._shown.close()
         buffers, self.buffers = self.buffers, {}
         claimant = self._claimant()
         for buffer in buffers.values():

@@ -24,12 +24,14 @@ from torch import Tensor
 from .engine import current_node, graph_task_id, queue_callback
 from .outside_params import OutsideParams, reduce_once
 from .shard import Shard
+from .sharded_grads import ShownGrads
 from .sharded_member import live_core
 
 if TYPE_CHECKING:
     from .._core.grad import GroupGrad
     from .._core.records import Coordinator
     from .sharded_collectives import Collectives
+    from .sharded_grads import TakenGrads
     from .sharded_partition import Partition
 
 __all__ = ["Pending", "Reducer", "ready_hook"]
@@ -45,16 +47,23 @@ class Reducer:
         core: the storage's core (held weakly).
         ownership: who owns which slice.
         collectives: the process group's collectives.
-        shard_gradients: keep only this rank's slice of each gradient (ZeRO-2).
+        grads: the gradients as the model shows them: ZeRO-2's placeholders, settled before and lent
+            after each reduction (``ShownGrads``), or ZeRO-1's whole ones (``TakenGrads``).
     """
 
     def __init__(
-        self, core: Coordinator, ownership: Partition, collectives: Collectives, shard_gradients: bool
+        self,
+        core: Coordinator,
+        ownership: Partition,
+        collectives: Collectives,
+        grads: ShownGrads | TakenGrads,
     ) -> None:
         self._core_ref = weakref.ref(core)
         self._ownership = ownership
         self._comm = collectives
-        self._shard_gradients = shard_gradients
+        #: ZeRO-2's placeholders (``None``: ZeRO-1).
+        self._shown = grads if isinstance(grads, ShownGrads) else None
+        self._shard_gradients = self._shown is not None
         #: The module's parameters outside every group, averaged when backward ends.
         self.outside = OutsideParams(self, core)
         self._begin(None)
@@ -95,18 +104,23 @@ class Reducer:
             self._next += 1
 
     def start(self, shard: Shard) -> Pending:
-        """Start reducing ``shard``'s flat gradient (zeros where this rank has none)."""
+        """Start reducing ``shard``'s flat gradient (zeros where this rank has none).
+
+        With ZeRO-2, what was cleared of the gradient this rank keeps is dropped first (the new
+        gradient adds to what is left: micro-batches accumulate).
+        """
         flat = shard.flat
-        grad = flat.grad
+        grads = live_core(self._core_ref).groups()[shard.g].grads
+        grad = grads.read(flat)
         if grad is None:
             grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
         elif not grad.is_contiguous():
             grad = grad.contiguous()
-        grads = live_core(self._core_ref).groups()[shard.g].grads
         grad, full = self._in_reduce_dtype(grads, grad), grad
-        if not self._shard_gradients:
+        if self._shown is None:
             grads.assign(flat, full)
             return (shard, *self._comm.all_reduce_mean(grad))
+        self._shown.settle(shard, closing=True)
         grads.release(flat)  # this rank keeps its slice only
         return (shard, *self._comm.reduce_to_owners(shard, grad))
 
@@ -126,12 +140,14 @@ class Reducer:
                 grad = grad.to(shard.flat.dtype)
                 if not self._shard_gradients and shard.flat.grad is not None:
                     shard.flat.grad.copy_(grad)
-            if not self._shard_gradients:
+            if self._shown is None:
                 shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
-            elif self._comm.by_owner_for(shard):
+                continue
+            if self._comm.by_owner_for(shard):
                 shard.set_grad(grad[shard.lo : shard.hi] / world, accumulate=True)
             else:
                 shard.set_grad(grad.div_(world), accumulate=True)
+            self._shown.lend(shard)
 
     def _backward_end(self) -> None:
         """Engine callback: start what is left, wait for every reduction."""

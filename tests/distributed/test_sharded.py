@@ -30,6 +30,7 @@ from flatten_parametrize import (
     remove_flat_storage,
 )
 from flatten_parametrize._distributed import sharded as _sharded
+from flatten_parametrize._distributed.sharded_grads import ShardedGrad
 
 from _helpers import (
     assert_same_optim_state,
@@ -208,7 +209,7 @@ def _scenario_one_buffer_collectives(rank: int, world: int) -> dict[str, Any]:
 
 def _grad_bytes(storage, opt) -> int:
     """Bytes of gradient memory held: flat gradients, slice gradients, the storage's kept gradient memory."""
-    held = sum(f.grad.nbytes for f in storage.flat_params if f.grad is not None)
+    held = sum(f.grad.untyped_storage().nbytes() for f in storage.flat_params if f.grad is not None)
     held += sum(s.param.grad.nbytes for s in opt._ownership.shards if s.param.grad is not None)
     held += sum(k.nbytes() for g in core_of(storage).groups() for k in g.views.grads._kept)
     return held
@@ -229,7 +230,7 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
         def counting_start(piece, start=start, storage=storage, opt=opt, in_flight=in_flight):
             started = start(piece)
             # full flat gradients alive once this bucket's reduction started
-            alive = {id(f.grad) for f in storage.flat_params if f.grad is not None}
+            alive = {id(f.grad) for f in storage.flat_params if type(f.grad) is torch.Tensor}
             pending = (*opt._reducer.pending, started)
             alive |= {id(grad) for _, _, grad in pending if grad.numel() > piece.chunk}
             in_flight.append(len(alive))
@@ -240,7 +241,8 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
             x, y = torch.randn(2, BATCH, 16, generator=torch.Generator().manual_seed(step))
             (model(x[_mine(rank, world)]) - y[_mine(rank, world)]).pow(2).mean().backward()
             held = _grad_bytes(storage, opt)
-            flat_grad_none = [f.grad is None for f in storage.flat_params]
+            # ZeRO-2 shows a placeholder of the sharded gradient, which holds no values
+            flat_grad_none = [isinstance(f.grad, ShardedGrad) for f in storage.flat_params]
             opt.step()
             opt.zero_grad()
             (plain(x) - y).pow(2).mean().backward()

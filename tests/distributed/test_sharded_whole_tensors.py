@@ -123,7 +123,8 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
                 _loss(model, _batch(step, micro, rank)).backward()
         held.append(
             {
-                "leaf_grads": sum(p.grad is not None for p in model.parameters()),
+                # ZeRO-2 shows placeholders of the sharded gradients, which hold no values
+                "leaf_grads": sum(type(p.grad) is torch.Tensor for p in model.parameters()),
                 "range_grads": sum(
                     s.param.grad.numel() for s in opt._ownership.shards if s.param.grad is not None
                 ),
