@@ -45,6 +45,7 @@ is an object in its own module, which the others reach only through it:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -66,6 +67,7 @@ from .sharded_args import (
     check_class,
     check_per_tensor,
     check_same_layout,
+    classes_of,
     elementwise_class,
     hyperparameters,
     param_groups,
@@ -73,7 +75,7 @@ from .sharded_args import (
 )
 from .sharded_collectives import Collectives
 from .sharded_grads import model_grads
-from .sharded_local import LocalOptimizers, LocalStep, WholeTensorStep, no_checkpoints
+from .sharded_local import LocalOptimizers, LocalStep, WholeTensorStep, no_checkpoints, own_method
 from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
 from .sharded_partition import Member as PartitionMember
 from .sharded_partition import Partition, SliceOwnership, TensorOwnership
@@ -207,6 +209,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
         self._shard_gradients = bool(shard_gradients)
+        #: The inner optimizers' classes (their own methods are reached through this optimizer).
+        self._classes = classes_of(optimizer_class, wholes)
         #: The param groups of ``whole_tensors=True`` (``None``: slices).
         self._wholes = wholes
         #: The process group and every collective over it.
@@ -264,6 +268,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         broadcast_outside(outside_params(core.module), self._comm.owners[0], pg)
         self._join(core)
         weakref.finalize(self, self._member.leave)
+
+    def __getattr__(self, name: str) -> Any:
+        """Reach a method of the inner optimizers' classes (schedule-free's ``train()`` / ``eval()``).
+
+        The call runs on every inner optimizer of this rank that has it, with the param groups' entries
+        given and taken back as in :meth:`step`, then every rank's tensors are gathered (the method may
+        change them): a collective call, made on every rank like :meth:`step`.
+        """
+        if own_method(self.__dict__.get("_classes", ()), name) is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return functools.partial(self._call_inner, name)
+
+    def _call_inner(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self._follow(strict=True)  # the slices hold the flat buffers' values (a load wrote them)
+        result = self._local.call(name, self.param_groups, *args, **kwargs)
+        self._comm.gather_slices(self._ownership.shards)
+        self._link_state()
+        return result
 
     # ------------------------------------------------------------------- wiring
     def _storage(self) -> Coordinator:
@@ -323,7 +345,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Return what the checkpoint of ``whole_tensors=True`` reads of this optimizer."""
         local = self.local_optimizer
         assert isinstance(local, LocalOptimizers)
-        return WholeStateView(self.param_groups, wholes, local, self._ownership, self._comm)
+        owned = self._local.owned_groups()
+        return WholeStateView(self.param_groups, wholes, local, self._ownership, self._comm, owned)
 
     def _state_view(self) -> _sharded_state.StateView:
         """Return what the state conversion reads of this optimizer."""
@@ -504,6 +527,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             load_whole_state_dict(self._whole_state_view(self._wholes), state_dict)
         else:
             _sharded_state.load_gathered(self._state_view(), state_dict)
+        self._local.push(self.param_groups)  # what the optimizers keep in their groups: the saved one's
         self._link_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -548,6 +572,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         _refuse_for_whole_tensors(self._wholes, "load_sharded_state_dict()")
         _sharded_state.load_local_parts(self._state_view(), state_dict)
+        self._local.push(self.param_groups)
         self._link_state()
 
 
@@ -556,12 +581,15 @@ def init_state(opt: ShardedOptimizer) -> None:
 
     What ``torch.distributed.checkpoint`` does to a fresh optimizer before it
     loads one (``_init_optim_state``; ``dcp.py`` calls this instead); a no-op
-    once there is state or a slice has a gradient.
+    once there is state or a slice has a gradient. What the step puts in the
+    inner optimizers' param groups (a step count) goes to the outer ones too,
+    so that DCP's load finds its entry there.
 
     Args:
         opt: the optimizer whose state to create.
     """
     if opt._local.init_state():
+        opt._local.pull(opt.param_groups)
         opt._link_state()
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "WholeTensorGroup",
     "check_class",
     "check_same_layout",
+    "classes_of",
     "hyperparameters",
     "param_groups",
     "whole_tensor_groups",
@@ -182,6 +183,13 @@ def whole_tensor_groups(
         group = {k: v for k, v in item.items() if k != CLASS_KEY}
         out.append(WholeTensorGroup({**group, "params": tensors}, cls, members))
     return out
+
+
+def classes_of(
+    optimizer_class: type[torch.optim.Optimizer], wholes: Sequence[WholeTensorGroup] | None
+) -> list[type[torch.optim.Optimizer]]:
+    """Return the optimizer classes of a ``ShardedOptimizer``: the constructor's, then each group's own."""
+    return [optimizer_class, *(whole.optimizer_class for whole in wholes or ())]
 
 
 def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:

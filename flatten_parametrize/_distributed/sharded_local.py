@@ -19,7 +19,7 @@ from .sharded_args import hyperparameters
 from .sharded_collectives import Collectives
 from .sharded_partition import Partition
 
-__all__ = ["LocalOptimizers", "LocalStep", "WholeTensorStep", "no_checkpoints"]
+__all__ = ["LocalOptimizers", "LocalStep", "WholeTensorStep", "no_checkpoints", "own_method"]
 
 
 class LocalStep:
@@ -36,11 +36,44 @@ class LocalStep:
         self._ownership = ownership
         self._shard_gradients = shard_gradients
 
-    def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
-        """Step the inner optimizer with the hyperparameters of ``outer_groups`` (an LR scheduler's)."""
-        for outer, inner in zip(outer_groups, self.optimizer.param_groups):
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Return the inner optimizers (one; by class for whole tensors, none where this rank owns none)."""
+        return [self.optimizer]
+
+    def owned_groups(self) -> list[int]:
+        """Return the outer groups of which this rank steps a part (every one: each has a slice here)."""
+        return list(range(len(self.optimizer.param_groups)))
+
+    def pairs(self, outer_groups: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Return ``(outer group, inner group)`` for every inner group."""
+        return list(zip(outer_groups, self.optimizer.param_groups))
+
+    def push(self, outer_groups: Sequence[dict[str, Any]]) -> None:
+        """Give every inner group its outer group's entries (an LR scheduler's changes, a load's)."""
+        for outer, inner in self.pairs(outer_groups):
             inner.update(hyperparameters(outer))
+
+    def pull(self, outer_groups: Sequence[dict[str, Any]]) -> None:
+        """Give every outer group what its inner optimizer keeps in its group (a step count, a mode)."""
+        for outer, inner in self.pairs(outer_groups):
+            outer.update(hyperparameters(inner))
+
+    def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
+        """Step the inner optimizer with the entries of ``outer_groups``; keep what it keeps in its groups."""
+        self.push(outer_groups)
         self.optimizer.step()
+        self.pull(outer_groups)
+
+    def call(self, name: str, outer_groups: Sequence[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        """Call the inner optimizers' method ``name`` (each that has one), between a push and a pull.
+
+        Returns:
+            The first call's result (``None`` where this rank's optimizers have no such method).
+        """
+        self.push(outer_groups)
+        results = [getattr(opt, name)(*args, **kwargs) for opt in self.optimizers() if hasattr(opt, name)]
+        self.pull(outer_groups)
+        return results[0] if results else None
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset the gradients of this rank's slices."""
@@ -57,14 +90,16 @@ class LocalStep:
         What ``torch.distributed.checkpoint`` does to a fresh optimizer before
         it loads one (``_init_optim_state``), for the inner optimizer over the
         slices (or the inner optimizers over the whole tensors); a no-op once
-        there is state or a slice has a gradient. No collective.
+        there is state (an empty entry is none) or a slice has a gradient. No
+        collective.
 
         Returns:
             Whether it created the state.
         """
         inner = self.optimizer
         shards = self._ownership.shards
-        if inner.state or any(s.param.grad is not None for s in shards):
+        # an entry made empty by a read (schedule-free's ``train()`` looks each tensor's state up) is no state
+        if any(inner.state.values()) or any(s.param.grad is not None for s in shards):
             return False
         for shard in shards:
             shard.set_grad(torch.zeros_like(shard.param), accumulate=False)
@@ -195,12 +230,18 @@ class WholeTensorStep(LocalStep):
         super().__init__(optimizer, ownership, shard_gradients)
         self._links = list(links)
 
-    def step(self, outer_groups: Sequence[dict[str, Any]]) -> None:
-        """Step every inner optimizer with its outer group's hyperparameters (an LR scheduler's)."""
-        optimizers = self.optimizer.optimizers  # type: ignore[attr-defined]  # LocalOptimizers
-        for o, j, index in self._links:  # by position: a load gives the inner optimizers new group dicts
-            optimizers[o].param_groups[j].update(hyperparameters(outer_groups[index]))
-        self.optimizer.step()
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Return the inner optimizers, one per class of which this rank owns tensors."""
+        return list(self.optimizer.optimizers)  # type: ignore[attr-defined]  # LocalOptimizers
+
+    def pairs(self, outer_groups: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Return ``(outer group, inner group)`` per inner group (by position: a load makes new dicts)."""
+        optimizers = self.optimizers()
+        return [(outer_groups[index], optimizers[o].param_groups[j]) for o, j, index in self._links]
+
+    def owned_groups(self) -> list[int]:
+        """Return the outer groups of which this rank steps tensors."""
+        return sorted({index for _, _, index in self._links})
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset the gradients of this rank's ranges and tensors."""
@@ -211,6 +252,19 @@ class WholeTensorStep(LocalStep):
     def state_by_flat(self) -> dict[Tensor, dict[str, Any]]:
         """Return ``{this rank's tensor: its state}`` for the tensors with state."""
         return dict(self.optimizer.state)
+
+
+def own_method(classes: Sequence[type[torch.optim.Optimizer]], name: str) -> Any:
+    """Return the public method ``name`` of ``classes`` that ``torch.optim.Optimizer`` lacks, or ``None``.
+
+    What ``ShardedOptimizer`` reaches on its inner optimizers (schedule-free's ``train()`` /
+    ``eval()``), decided by the classes, alike on every rank (a rank that owns no tensor of a class
+    has no optimizer of it).
+    """
+    if name.startswith("_") or hasattr(torch.optim.Optimizer, name):
+        return None
+    found = next((getattr(cls, name) for cls in classes if hasattr(cls, name)), None)
+    return found if callable(found) else None
 
 
 def no_checkpoints(what: str) -> RuntimeError:

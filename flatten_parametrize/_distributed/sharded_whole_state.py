@@ -48,6 +48,8 @@ class WholeStateView:
     ownership: Partition
     #: The process group's collectives.
     collectives: Collectives
+    #: The outer groups of which this rank steps tensors (their entries are its inner optimizers').
+    owned: Sequence[int] = ()
 
 
 def _positions(view: WholeStateView) -> list[tuple[int, _Key]]:
@@ -73,15 +75,23 @@ def _mine(view: WholeStateView) -> dict[_Key, tuple[tuple[int, ...], list[tuple[
 
 
 def gathered_whole_state_dict(view: WholeStateView) -> dict[str, Any]:
-    """Return the whole state in a single-process optimizer's format over the model's tensors (collective)."""
+    """Return the whole state in a single-process optimizer's format over the model's tensors (collective).
+
+    A param group's entries are those of the first rank that steps tensors of it: what an optimizer
+    keeps in its groups (a step count) moves on only where it steps.
+    """
+    owned = {i: hyperparameters(view.param_groups[i]) for i in view.owned}
     parts: list[Any] = [None] * view.collectives.world
-    dist.all_gather_object(parts, _mine(view), group=view.collectives.group)
+    dist.all_gather_object(parts, (_mine(view), owned), group=view.collectives.group)
     merged: dict[_Key, tuple[tuple[int, ...], list[tuple[int, int, dict[str, Any]]]]] = {}
-    for part in parts:
+    for part, _ in parts:
         for key, (shape, pieces) in part.items():
             merged.setdefault(key, (shape, []))[1].extend(pieces)
     state: dict[int, dict[str, Any]] = {}
-    groups: list[dict[str, Any]] = [{**hyperparameters(g), "params": []} for g in view.param_groups]
+    groups: list[dict[str, Any]] = []
+    for i, group in enumerate(view.param_groups):
+        entries = next((own[i] for _, own in parts if i in own), hyperparameters(group))
+        groups.append({**entries, "params": []})
     for position, (i, member) in enumerate(_positions(view)):
         groups[i]["params"].append(position)
         if member in merged:
