@@ -65,12 +65,10 @@ from .sharded_args import (
     ALLOWED_OPTIMIZERS,
     WholeTensorGroup,
     check_class,
-    check_per_tensor,
     check_same_layout,
     classes_of,
-    elementwise_class,
     hyperparameters,
-    param_groups,
+    slice_groups,
     whole_tensor_groups,
 )
 from .sharded_collectives import Collectives
@@ -80,6 +78,7 @@ from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
 from .sharded_partition import Member as PartitionMember
 from .sharded_partition import Partition, SliceOwnership, TensorOwnership
 from .sharded_reducer import Reducer, ready_hook
+from .sharded_rules import cuttable
 from .sharded_whole_state import WholeStateView, gathered_whole_state_dict, load_whole_state_dict
 
 if TYPE_CHECKING:
@@ -198,8 +197,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ) -> None:
         core: Coordinator = core_behind(storage, "ShardedOptimizer")
         check_class(optimizer_class, allow_unlisted, whole_tensors=whole_tensors)
-        wholes = whole_tensor_groups(core, params, optimizer_class, allow_unlisted) if whole_tensors else None
-        groups = param_groups(core, params) if wholes is None else []
+        wholes = (
+            whole_tensor_groups(core, params, optimizer_class, optimizer_kwargs, allow_unlisted)
+            if whole_tensors
+            else None
+        )
+        groups = slice_groups(core, params, optimizer_class, optimizer_kwargs) if wholes is None else []
         used = (
             [p for g in groups for p in g["params"]]
             if wholes is None
@@ -211,6 +214,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._shard_gradients = bool(shard_gradients)
         #: The inner optimizers' classes (their own methods are reached through this optimizer).
         self._classes = classes_of(optimizer_class, wholes)
+        #: The keyword arguments the inner optimizer over slices is constructed with.
+        self._optimizer_kwargs = dict(optimizer_kwargs)
         #: The param groups of ``whole_tensors=True`` (``None``: slices).
         self._wholes = wholes
         #: The process group and every collective over it.
@@ -219,7 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ownership: Partition = (
             SliceOwnership(world, self._comm.rank)
             if wholes is None
-            else TensorOwnership(world, self._comm.rank, _members_of(core, wholes, allow_unlisted))
+            else TensorOwnership(world, self._comm.rank, _members_of(core, wholes))
         )
         #: The gradients as the model shows them (ZeRO-2: placeholders of the shards), settled before
         #: each update.
@@ -250,9 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             defaults = dict(self.local_optimizer.defaults)
         else:
             self._ownership.add(core.flat_params, used)
-            outer, self._local = _whole_tensor_step(
-                wholes, self._ownership, optimizer_class, optimizer_kwargs, self._shard_gradients
-            )
+            outer, self._local = _whole_tensor_step(wholes, self._ownership, self._shard_gradients)
             self.local_optimizer = self._local.optimizer
             defaults = {}
         super().__init__(outer, defaults)
@@ -376,7 +379,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         _refuse_for_whole_tensors(self._wholes, "add_param_group()")
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
-        (group,) = param_groups(storage, [param_group], taken=taken)
+        cls, kwargs = type(self.local_optimizer), self._optimizer_kwargs
+        (group,) = slice_groups(storage, [param_group], cls, kwargs, taken=taken)
         check_sync(buffers(synced(storage, group["params"])), self, SYNCS)
         new = self._ownership.add(storage.flat_params, group["params"])
         self.local_optimizer.add_param_group({**group, "params": new})
@@ -617,14 +621,10 @@ def _refuse_for_whole_tensors(wholes: Sequence[WholeTensorGroup] | None, what: s
 
 
 def _members_of(
-    core: Coordinator, wholes: Sequence[WholeTensorGroup], allow_unlisted: bool
+    core: Coordinator, wholes: Sequence[WholeTensorGroup]
 ) -> Callable[[int], list[PartitionMember]]:
-    """Return ``g ->`` flat parameter ``g``'s members, atomic where their optimizer is not element-wise."""
-    atomic = {
-        member: not elementwise_class(w.optimizer_class, allow_unlisted)
-        for w in wholes
-        for member in w.members
-    }
+    """Return ``g ->`` flat parameter ``g``'s members, atomic unless their class may be cut (``cuttable``)."""
+    atomic = {member: not cuttable(w.optimizer_class) for w in wholes for member in w.members}
 
     def members(g: int) -> list[PartitionMember]:
         layout = core.groups()[g].layout
@@ -645,28 +645,20 @@ def _members_of(
 def _whole_tensor_step(
     wholes: Sequence[WholeTensorGroup],
     ownership: Partition,
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
     shard_gradients: bool,
 ) -> tuple[list[dict[str, Any]], WholeTensorStep]:
     """Return the outer param groups and the inner optimizers over this rank's whole tensors.
 
-    One inner optimizer per class, over the tensors this rank owns of the groups of that class (none
+    One inner optimizer per class and settings it is constructed with (``WholeTensorGroup.init``: the
+    group's settings that its constructor names), over the tensors this rank owns of those groups (none
     where it owns none); each outer group holds its class's defaults, the group's own settings and the
     user's tensors, so that an LR scheduler's changes reach the inner group at each step.
     """
     shards = {shard.g: shard for shard in ownership.shards}
-    by_class: dict[type[torch.optim.Optimizer], list[tuple[dict[str, Any], int]]] = {}
+    by_kind: dict[tuple[type[torch.optim.Optimizer], str], list[tuple[dict[str, Any], int]]] = {}
     outer = []
-
-    def kwargs_of(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
-        # the groups hold every hyperparameter; the keyword arguments also reach what a class reads
-        # from its defaults only (timm's Lamb its max_grad_norm)
-        return optimizer_kwargs if cls is optimizer_class else {}
-
     for i, whole in enumerate(wholes):
-        probe = whole.optimizer_class([torch.zeros(2, 2)], **kwargs_of(whole.optimizer_class))  # defaults
-        check_per_tensor(probe)
+        probe = whole.optimizer_class([torch.zeros(2, 2)], **whole.init)  # its defaults
         outer.append(
             {
                 **hyperparameters(probe.param_groups[0]),
@@ -680,10 +672,12 @@ def _whole_tensor_step(
             if g in shards and index in shards[g].pieces  # type: ignore[attr-defined]
         ]
         if pieces:
-            by_class.setdefault(whole.optimizer_class, []).append(({**outer[i], "params": pieces}, i))
+            kind = (whole.optimizer_class, repr(sorted(whole.init.items())))
+            by_kind.setdefault(kind, []).append(({**outer[i], "params": pieces}, i))
     optimizers, links = [], []
-    for o, (cls, items) in enumerate(by_class.items()):
-        optimizers.append(cls([inner for inner, _ in items], **kwargs_of(cls)))
+    for o, ((cls, _), items) in enumerate(by_kind.items()):
+        init = wholes[items[0][1]].init
+        optimizers.append(cls([inner for inner, _ in items], **init))
         links += [(o, j, i) for j, (_, i) in enumerate(items)]
     local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
     return outer, local

@@ -9,6 +9,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
+from .sharded_rules import (
+    ALLOWED_OPTIMIZERS,
+    check_known_settings,
+    check_slice_settings,
+    check_steps_alone,
+    construction_kwargs,
+)
+
 if TYPE_CHECKING:
     from .._core.records import Coordinator
     from .sharded_collectives import Collectives
@@ -20,6 +28,7 @@ __all__ = [
     "check_class",
     "check_same_layout",
     "classes_of",
+    "slice_groups",
     "hyperparameters",
     "param_groups",
     "whole_tensor_groups",
@@ -28,31 +37,8 @@ __all__ = [
 #: The key of a param group that names its own optimizer class (``whole_tensors=True``).
 CLASS_KEY = "optimizer_class"
 
-#: Optimizers whose update of an element depends only on that element's gradient and state
-#: (so that a slice cut through parameters is stepped exactly like the whole).
-ALLOWED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.RMSprop,
-)
 #: Optimizers that are never element-wise: refused even with ``allow_unlisted=True``.
 _NEVER = (torch.optim.LBFGS, torch.optim.SparseAdam)
-#: Optimizers whose math reads across their tensors while a setting is on: (module, class name) ->
-#: (the setting, its value that turns it off). Both Lambs scale every gradient by the norm of all of them.
-_ACROSS_WHEN_ON = {
-    ("timm.optim.lamb", "Lamb"): ("max_grad_norm", None),
-    ("pytorch_optimizer.optimizer.lamb", "Lamb"): ("pre_norm", False),
-}
-
-
-def elementwise_class(optimizer_class: type, allow_unlisted: bool) -> bool:
-    """Return whether ``optimizer_class`` may step slices cut through tensors (element-wise math)."""
-    return optimizer_class in ALLOWED_OPTIMIZERS or allow_unlisted
 
 
 def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool = False) -> None:
@@ -80,27 +66,6 @@ def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool 
         )
 
 
-def check_per_tensor(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer set to read across its tensors (a global gradient norm inside, as Lamb's).
-
-    Raises:
-        ValueError: naming the setting and the value that turns it off.
-    """
-    cls = type(optimizer)
-    rule = _ACROSS_WHEN_ON.get((cls.__module__, cls.__name__))
-    if rule is None:
-        return
-    setting, off = rule
-    value = optimizer.defaults.get(setting, getattr(optimizer, setting, off))
-    if value != off:
-        raise ValueError(
-            "ShardedOptimizer(whole_tensors=True) steps each rank's own tensors, so their optimizer must not "
-            f"read across tensors; {cls.__module__}.{cls.__name__} with {setting}={value!r} scales every "
-            f"gradient by the norm of all its tensors, which no rank holds; pass {setting}={off!r} and call "
-            "opt.clip_grad_norm_(max_norm), which clips by the norm over every rank"
-        )
-
-
 def _items(flats: Sequence[Tensor], params: Any, kinds: str, example: str) -> list[Any]:
     """Return ``params`` as a list of param-group items (``None``: one group of every flat parameter)."""
     if params is None:
@@ -123,20 +88,29 @@ class WholeTensorGroup(NamedTuple):
     optimizer_class: type[torch.optim.Optimizer]
     #: ``(flat parameter index, member index)`` of every tensor it holds, in the order given.
     members: list[tuple[int, int]]
+    #: The keyword arguments its class is constructed with (``sharded_rules.construction_kwargs``).
+    init: dict[str, Any]
 
 
 def whole_tensor_groups(
-    storage: Coordinator, params: Any, optimizer_class: type[torch.optim.Optimizer], allow_unlisted: bool
+    storage: Coordinator,
+    params: Any,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    allow_unlisted: bool,
 ) -> list[WholeTensorGroup]:
     """Return ``params`` as checked groups over the storage's tensors (``whole_tensors=True``).
 
     A group's ``params`` may hold flat parameters (all of their tensors) and,
     in per-tensor mode, the model's parameters (each one tensor). A group may
-    name its own optimizer class under ``"optimizer_class"``.
+    name its own optimizer class under ``"optimizer_class"``; each group's
+    class is checked by the rules of ``sharded_rules.py`` with the settings it
+    is constructed with.
 
     Raises:
         TypeError: if ``params`` is not an iterable of tensors or of param-group dicts.
-        ValueError: if a tensor is not one of the storage's, or is listed twice.
+        ValueError: if a tensor is not one of the storage's, or is listed twice, or a
+            group's class cannot step a rank's tensors alone.
     """
     flats = storage.flat_params
     items = _items(flats, params, "tensors", "[{'params': mats, 'optimizer_class': torch.optim.Muon}]")
@@ -164,13 +138,7 @@ def whole_tensor_groups(
             elif id(p) in slots:
                 found = [slots[id(p)]]
             else:
-                what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
-                raise ValueError(
-                    f"ShardedOptimizer(whole_tensors=True): every parameter must be a flat parameter of the "
-                    f"storage or, in per-tensor mode, one of the model's parameters; got {what} in param "
-                    f"group {i}; call storage.unflatten() before building the optimizer and pass "
-                    "model.parameters()"
-                )
+                raise _not_in_storage(storage, p, i)
             for member in found:
                 if member in seen:
                     info = storage.groups()[member[0]].members[member[1]]
@@ -181,8 +149,33 @@ def whole_tensor_groups(
                 seen[member] = i
             members += found
         group = {k: v for k, v in item.items() if k != CLASS_KEY}
-        out.append(WholeTensorGroup({**group, "params": tensors}, cls, members))
+        init = construction_kwargs(cls, optimizer_kwargs if cls is optimizer_class else {}, group)
+        check_known_settings(cls([torch.zeros(2, 2, requires_grad=True)], **init))
+        check_steps_alone(cls, init, [tuple(t.shape) for t in tensors])
+        out.append(WholeTensorGroup({**group, "params": tensors}, cls, members, init))
     return out
+
+
+def _not_in_storage(storage: Coordinator, p: Any, i: int) -> ValueError:
+    """Return the error for ``p`` in param group ``i``: not a tensor of the storage (why, and what to do)."""
+    what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
+    start = (
+        "ShardedOptimizer(whole_tensors=True): every parameter must be a flat parameter of the storage or, "
+        "in per-tensor mode, one of the model's parameters that it holds"
+    )
+    name = next((n for n, q in storage.module.named_parameters() if q is p), None)
+    if name is not None:
+        return ValueError(
+            f"{start}; {name} in param group {i} is a parameter of the model that no group of the storage "
+            "holds (left out at registration, or put in after it), so no rank owns it; step it with an "
+            "optimizer of its own (ShardedOptimizer averages its gradient over the ranks when backward ends, "
+            "as DDP does), or register it: remove_flat_storage(model), then register_flat_storage(model) and "
+            "build the optimizer again"
+        )
+    return ValueError(
+        f"{start}; got {what} in param group {i}; in flat mode the model's attributes are views: call "
+        "storage.unflatten() before building the optimizer and pass model.parameters()"
+    )
 
 
 def classes_of(
@@ -190,6 +183,24 @@ def classes_of(
 ) -> list[type[torch.optim.Optimizer]]:
     """Return the optimizer classes of a ``ShardedOptimizer``: the constructor's, then each group's own."""
     return [optimizer_class, *(whole.optimizer_class for whole in wholes or ())]
+
+
+def slice_groups(
+    storage: Coordinator,
+    params: Any,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    taken: Sequence[Tensor] = (),
+) -> list[dict[str, Any]]:
+    """Return ``params`` as checked param-group dicts over flat parameters for the one inner optimizer.
+
+    Raises:
+        TypeError, ValueError: as :func:`param_groups`; ``ValueError`` also for a group setting that
+            the class reads when it is constructed only (``sharded_rules.check_slice_settings``).
+    """
+    groups = param_groups(storage, params, taken)
+    check_slice_settings(optimizer_class, optimizer_kwargs, groups)
+    return groups
 
 
 def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
