@@ -5,7 +5,7 @@ product contract's public surface, users never implement it, and it may
 change with the library. (Users hold ``FlatStorage``; a feature sees the
 private core through ``records.Coordinator``.) The features are gradient sync
 (``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``Member``
-(``_distributed/sharded_member.py``), disk backing (``_features/offload.py``) and
+(``_distributed/sharded_feature.py``), disk backing (``_features/offload.py``) and
 ensembles (``_features/functional.py``) and mixed precision
 (``_features/mixed_precision.py``); each owns its state, holds the core
 weakly, and reads nothing of another feature (``tests/guarantees/test_structure.py``

@@ -57,7 +57,7 @@ from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
 from .._core.on_import import is_ours, wrapper_of
 from .._state.attach_optim import own_format
-from .dcp_whole import is_whole, missing_state, state_by_name, state_for, tensor_names
+from .dcp_sharded import is_sharded, member_names, missing_state, state_by_name, state_for, tensor_names
 from .sharded import ShardedOptimizer, init_state
 
 __all__ = ["WRAPPED", "patch"]
@@ -365,11 +365,11 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
         if not info.handle_optim:
             return original(model, optimizers, info)
         flats = _flats(dsd, model) if _converting() else []
-        wholes = [optim for optim in optimizers if is_whole(optim)]
-        if not flats and not wholes:
+        sharded = [optim for optim in optimizers if is_sharded(optim)]
+        if not flats and not sharded:
             with _flat_names(optimizers):
                 return original(model, optimizers, info)
-        rest = tuple(optim for optim in optimizers if optim not in wholes)
+        rest = tuple(optim for optim in optimizers if optim not in sharded)
         flatten = info.flatten_optimizer_state_dict
         info.flatten_optimizer_state_dict = False
         try:
@@ -377,7 +377,7 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
                 osd = _to_plain(original(model, rest, info), flats)
         finally:
             info.flatten_optimizer_state_dict = flatten
-        for optim in wholes:  # keyed by the plain names already
+        for optim in sharded:  # keyed by the plain names by dcp_sharded.py
             own = dsd._maybe_full_or_cpu_state_dict(state_by_name(dsd, model, optim), info)
             if own:
                 osd = {
@@ -394,32 +394,32 @@ def _get_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Call
 def _load_optim_state_dict(original: Callable[..., Any], dsd: ModuleType) -> Callable[..., Any]:
     def wrapper(model: nn.Module, optimizers: tuple[Any, ...], state_dict: Any, info: Any) -> None:
         flats = _flats(dsd, model) if _converting() and info.handle_optim else []
-        wholes = [optim for optim in optimizers if is_whole(optim)] if info.handle_optim else []
-        rest = tuple(optim for optim in optimizers if optim not in wholes)
-        parts: list[Any] = [None] * len(wholes)
+        sharded = [optim for optim in optimizers if is_sharded(optim)] if info.handle_optim else []
+        rest = tuple(optim for optim in optimizers if optim not in sharded)
+        parts: list[Any] = [None] * len(sharded)
         error: Exception | None = None
-        if (flats or wholes) and state_dict:
+        if (flats or sharded) and state_dict:
             try:
-                whole_names = [tensor_names(dsd, model, optim) for optim in wholes]
+                sharded_names = [tensor_names(dsd, model, optim) for optim in sharded]
                 if "state" not in state_dict:
                     names = [m[0] for f in flats for m in f.members]
                     names += [n for n, _ in model.named_parameters()]
                     names += [fqn for n, _ in model.named_parameters() for fqn in dsd._get_fqns(model, n)]
-                    names += [n for groups in whole_names for g in groups for n in g]
+                    names += [n for groups in sharded_names for g in member_names(groups) for n in g]
                     state_dict = _nest(state_dict, names)
                 parts = [
                     state_for(optim, groups, state_dict, info.strict)
-                    for optim, groups in zip(wholes, whole_names)
+                    for optim, groups in zip(sharded, sharded_names)
                 ]
                 if flats and rest:
                     state_dict = _to_flat(state_dict, flats, info.strict)
             except (ValueError, RuntimeError) as caught:
                 error = caught
-        if (flats or wholes) and info.broadcast_from_rank0:
+        if (flats or sharded) and info.broadcast_from_rank0:
             _agree(error)  # the other ranks would wait in torch's broadcast of rank 0's state
         elif error is not None:
             raise error
-        for optim, part in zip(wholes, parts):
+        for optim, part in zip(sharded, parts):
             if info.broadcast_from_rank0:
                 part = _from_rank0(part)
             if part is not None:

@@ -38,12 +38,13 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
+from .._core.engine import current_node, graph_task_id, queue_callback, will_execute
 from .._core.features import Coordinator, in_flat_mode, storage_of
 from .._core.grad import claim_sync
-from .engine import checked_process_group, current_node, graph_task_id, queue_callback, will_execute
 from .outside_params import OutsideParams, outside_params, reduce_once
 from .outside_params import broadcast as broadcast_outside
 from .outside_params import reduce as reduce_outside
+from .process_group import checked_process_group
 
 __all__ = ["GradSync"]
 

@@ -1,29 +1,34 @@
-"""One rank's slice of a flat buffer, for :class:`~flatten_parametrize.ShardedOptimizer`.
+"""One rank's part of a flat buffer, for :class:`~flatten_parametrize.ShardedOptimizer`.
 
-A flat buffer of ``n`` elements over ``W`` ranks is cut into ``W`` slices of
-``c = ceil(n / W)`` elements (as if padded once to ``W * c``). The slice's
-parameter, the one the inner optimizer steps, is a view of the flat buffer
-where the slice lies inside it; where it reaches past the end it is a small
-zero-padded copy (a "shadow").
+Every rank owns element ranges of each sharded flat buffer (which ones is the
+ownership rule's choice, ``sharded_strategies.py``); a :class:`Shard` holds
+every rank's ranges (the collectives need them all) and this rank's pieces:
+the tensors its inner optimizers step, views of the flat buffer inside its
+ranges (a slice of ZeRO's equal cut; whole tensors in their shapes, or a 1-D
+part of one that an element-wise class steps across a cut).
+
+Gradients: with ZeRO-2 this rank's averaged gradient of its ranges is one
+packed tensor (its ranges back to back, :attr:`Shard.grad`) that the pieces'
+gradients view; with ZeRO-1 they view the whole averaged flat gradient.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._core.grad import set_grad
 
-__all__ = ["Shard", "TensorShard", "copy_value", "elementwise"]
+__all__ = ["Piece", "Shard", "copy_value", "elementwise"]
 
 
-def elementwise(value: Any) -> bool:
-    """Return whether an optimizer state value has one element per parameter element (a 1-D tensor)."""
-    return isinstance(value, Tensor) and value.dim() == 1
+def elementwise(value: Any, numel: int) -> bool:
+    """Return whether an optimizer state value has one element per element of a tensor of ``numel``."""
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.numel() == numel
 
 
 def copy_value(value: Any) -> Any:
@@ -31,174 +36,162 @@ def copy_value(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
 
 
+class Piece(NamedTuple):
+    """A tensor that this rank's inner optimizers step: where it lies in the flat buffer and its shape."""
+
+    #: Its key among the shard's pieces (the member index of a whole tensor; 0 for a slice).
+    key: Hashable
+    #: Its first element in the flat buffer.
+    offset: int
+    #: Its number of elements.
+    numel: int
+    #: Its shape.
+    shape: tuple[int, ...]
+
+
 class Shard:
-    """This rank's slice of one flat parameter and the inner optimizer's parameter for it."""
-
-    #: Every rank's slice has ``chunk`` elements (the one-buffer collectives need it).
-    even = True
-
-    def __init__(self, g: int, flat: Tensor, rank: int, world: int) -> None:
-        #: Index of the flat parameter in ``storage.flat_params``.
-        self.g = g
-        self.flat = flat
-        self.numel = n = flat.numel()
-        self.chunk = c = -(-n // world)
-        self.lo, self.hi = min(rank * c, n), min((rank + 1) * c, n)
-        #: Whether the slice reaches past the end of the buffer: then ``param`` is a zero-padded copy.
-        self.shadow = self.hi - self.lo < c
-        self.param = torch.zeros(c, dtype=flat.dtype, device=flat.device)
-        self.hooked: Tensor | None = None
-        self.bind()
-
-    def bounds(self, owner: int) -> tuple[int, int]:
-        """Return the element range of ``owner``'s slice inside the flat buffer."""
-        return min(owner * self.chunk, self.numel), min((owner + 1) * self.chunk, self.numel)
-
-    def bind(self) -> None:
-        """Point ``param`` at the flat buffer's current memory (or refresh the padded copy)."""
-        flat = self.flat.detach()
-        with torch.no_grad():
-            if self.shadow:
-                self.param[: self.hi - self.lo].copy_(flat[self.lo : self.hi])
-                self.param[self.hi - self.lo :].zero_()
-            else:
-                self.param.set_(flat.untyped_storage(), flat.storage_offset() + self.lo, (self.chunk,), (1,))
-        self.ptr = flat.data_ptr()
-        #: The flat buffer's version the padded copy was taken at (in-place writes since: take it again).
-        self.version = flat._version
-
-    def set_grad(self, values: Tensor, accumulate: bool) -> None:
-        """Make ``values`` (this rank's gradient elements, padded or not) the slice's gradient."""
-        grad = self.param.grad
-        if accumulate and grad is not None:
-            grad[: values.numel()].add_(values)
-        elif values.numel() == self.chunk:
-            set_grad(self.param, values)
-        else:
-            padded = torch.zeros_like(self.param)
-            padded[: values.numel()].copy_(values)
-            set_grad(self.param, padded)
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        """Drop (or zero) the slice's gradient."""
-        grad = self.param.grad
-        if grad is None:
-            return
-        if set_to_none:
-            set_grad(self.param, None)
-        else:
-            grad.zero_()
-
-    def drop_piece(self, index: int) -> None:
-        """Drop member ``index``'s gradient where it is a tensor of its own (a slice has none)."""
-
-    def assemble(self, pieces: Iterable[tuple[int, Tensor]], like: Tensor) -> Tensor:
-        """Return a new zero-padded slice built from ``(flat offset, values)`` pieces overlapping it."""
-        out = torch.zeros(self.chunk, dtype=like.dtype, device=self.param.device)
-        for start, values in pieces:
-            lo, hi = max(start, self.lo), min(start + values.numel(), self.hi)
-            if hi > lo:
-                out[lo - self.lo : hi - self.lo].copy_(values[lo - start : hi - start])
-        return out
-
-
-class TensorShard(Shard):
-    """This rank's range of whole tensors of one flat parameter and a tensor of each for its optimizers.
-
-    The ranks' ranges are cut at ``cuts`` (``cuts[r]`` to ``cuts[r + 1]``,
-    uneven, no padding); ``param`` is this rank's range (a view of the flat
-    buffer, 1-D), whose gradient holds the range's averaged gradient. Each
-    piece is a tensor of one member inside the range, with the member's shape
-    where the whole member is inside it (a 1-D part of a member that an
-    element-wise optimizer steps may cross a cut); its gradient is a view of
-    the range's gradient.
+    """Every rank's element ranges of one flat parameter, and this rank's pieces of it.
 
     Args:
         g: index of the flat parameter in ``storage.flat_params``.
         flat: the flat parameter.
         rank: this rank.
-        cuts: the ranks' range boundaries, ``world + 1`` offsets from 0 to ``flat.numel()``.
-        pieces: ``(member index, flat offset, numel, shape)`` of each piece in this rank's range.
-        spans: member index -> the whole member's ``(flat offset, numel, shape)``, for each piece.
+        ranges: each rank's ``(start, stop)`` element ranges, in rank order, each rank's in order.
+        pieces: this rank's pieces, each inside one of its ranges, in flat order.
     """
-
-    even = False
 
     def __init__(
         self,
         g: int,
         flat: Tensor,
         rank: int,
-        cuts: Sequence[int],
-        pieces: Sequence[tuple[int, int, int, tuple[int, ...]]],
-        spans: dict[int, tuple[int, int, tuple[int, ...]]],
+        ranges: Sequence[Sequence[tuple[int, int]]],
+        pieces: Sequence[Piece],
     ) -> None:
+        #: Index of the flat parameter in ``storage.flat_params``.
         self.g = g
         self.flat = flat
         self.numel = flat.numel()
-        self.cuts = tuple(cuts)
-        self.lo, self.hi = self.cuts[rank], self.cuts[rank + 1]
-        self.chunk = max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
-        self.shadow = False
-        self.param = torch.zeros(0, dtype=flat.dtype, device=flat.device)
-        self.hooked = None
-        self.where = tuple(pieces)
-        self.spans = spans
-        #: Member index -> its piece (what the inner optimizers step).
-        self.pieces = {index: torch.zeros(0, dtype=flat.dtype, device=flat.device) for index, *_ in pieces}
+        #: The dtype and device the pieces were made for (a flat parameter moved since cannot be followed).
+        self.dtype, self.device = flat.dtype, flat.device
+        self.rank = rank
+        self.ranges = [tuple((int(a), int(b)) for a, b in owner if b > a) for owner in ranges]
+        #: The most elements one rank owns: the slot of each rank in one padded buffer.
+        self.chunk = max((sum(b - a for a, b in owner) for owner in self.ranges), default=0)
+        #: Whether each rank's elements are one range at ``rank * chunk``: one padded buffer of the flat
+        #: one needs no spreading (ZeRO's equal slices).
+        self.aligned = all(
+            owner == () or (len(owner) == 1 and owner[0][0] == r * self.chunk)
+            for r, owner in enumerate(self.ranges)
+        )
+        #: This rank's pieces, and the tensor of each (a view of the flat buffer).
+        self.specs = tuple(pieces)
+        self.pieces = {spec.key: torch.zeros(0, dtype=flat.dtype, device=flat.device) for spec in self.specs}
+        #: ZeRO-2: this rank's averaged gradient of its ranges, packed (``None``: none).
+        self.grad: Tensor | None = None
+        #: The flat parameter the optimizer's gradient-ready hook is on.
+        self.hooked: Tensor | None = None
+        self.ptr = 0
+        self._packed = self._packed_offsets()
         self.bind()
 
-    def bounds(self, owner: int) -> tuple[int, int]:
-        """Return the element range of ``owner``'s tensors inside the flat buffer."""
-        return self.cuts[owner], self.cuts[owner + 1]
+    # ------------------------------------------------------------------ ranges
+    @property
+    def mine(self) -> tuple[tuple[int, int], ...]:
+        """This rank's element ranges."""
+        return self.ranges[self.rank]
 
+    @property
+    def owned(self) -> int:
+        """The number of elements this rank owns."""
+        return sum(b - a for a, b in self.mine)
+
+    def _packed_offsets(self) -> list[tuple[int, int, int]]:
+        """Return ``(start, stop, packed start)`` of each of this rank's ranges."""
+        out, at = [], 0
+        for a, b in self.mine:
+            out.append((a, b, at))
+            at += b - a
+        return out
+
+    def packed(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Return the packed ``(start, stop)`` of each part of flat ``[start, stop)`` that this rank owns."""
+        return [
+            (at + max(start, a) - a, at + min(stop, b) - a)
+            for a, b, at in self._packed
+            if min(stop, b) > max(start, a)
+        ]
+
+    def packed_ranges(self) -> list[tuple[int, int]]:
+        """Return where each of this rank's ranges lies in its packed gradient."""
+        return [(at, at + b - a) for a, b, at in self._packed]
+
+    def pack(self, values: Tensor) -> Tensor:
+        """Return this rank's ranges of ``values`` (shaped like the flat buffer), back to back."""
+        if len(self.mine) == 1:
+            a, b = self.mine[0]
+            return values[a:b]
+        if not self.mine:
+            return values[:0]
+        return torch.cat([values[a:b] for a, b in self.mine])
+
+    # ------------------------------------------------------------------ values
     def bind(self) -> None:
-        """Point the range and every piece at the flat buffer's current memory."""
+        """Point every piece at the flat buffer's current memory."""
         flat = self.flat.detach()
         storage, base = flat.untyped_storage(), flat.storage_offset()
         with torch.no_grad():
-            self.param.set_(storage, base + self.lo, (self.hi - self.lo,), (1,))
-            for index, offset, _, shape in self.where:
-                self.pieces[index].set_(storage, base + offset, shape, _contiguous_strides(shape))
+            for spec in self.specs:
+                self.pieces[spec.key].set_(
+                    storage, base + spec.offset, spec.shape, _contiguous_strides(spec.shape)
+                )
         self.ptr = flat.data_ptr()
-        self.version = flat._version
 
-    def set_grad(self, values: Tensor, accumulate: bool) -> None:
-        """Make ``values`` (this rank's range of the gradient, padded or not) the range's gradient.
-
-        The pieces view it.
-        """
-        values = values[: self.hi - self.lo]
-        grad = self.param.grad
-        if accumulate and grad is not None:
-            grad.add_(values)
+    # --------------------------------------------------------------- gradients
+    def receive(self, values: Tensor, accumulate: bool) -> None:
+        """ZeRO-2: make ``values`` (this rank's packed gradient, maybe padded) its gradient, or add it."""
+        values = values[: self.owned]
+        if accumulate and self.grad is not None:
+            self.grad.add_(values)
         else:
-            set_grad(self.param, values if values.is_contiguous() else values.contiguous())
-        self._point_pieces()
+            self.grad = values if values.is_contiguous() else values.contiguous()
+        self._point(self.grad, packed=True)
+
+    def take(self, source: Tensor | None) -> None:
+        """ZeRO-1: make each piece's gradient its view of ``source``, the whole flat gradient (or none)."""
+        self.grad = None
+        self._point(source, packed=False)
+
+    def _point(self, source: Tensor | None, packed: bool) -> None:
+        """Give each piece its view of ``source`` (packed: this rank's ranges; else the flat gradient)."""
+        for spec in self.specs:
+            grad = None
+            if source is not None:
+                parts = self.packed(spec.offset, spec.offset + spec.numel) if packed else [(spec.offset, 0)]
+                start = parts[0][0] if parts else 0  # an empty piece (a slice past the end) views nothing
+                grad = source[start : start + spec.numel].view(spec.shape)
+            set_grad(self.pieces[spec.key], grad)
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """Drop (or zero) the range's gradient and the pieces'."""
-        grad = self.param.grad
-        if grad is None:
-            return
+        """Drop (or zero) this rank's gradient and its pieces'."""
         if set_to_none:
-            set_grad(self.param, None)
-            for piece in self.pieces.values():
-                set_grad(piece, None)
-        else:
-            grad.zero_()
+            self.grad = None
+            self._point(None, packed=True)
+            return
+        for piece in self.pieces.values():
+            if piece.grad is not None:
+                piece.grad.zero_()
 
-    def drop_piece(self, index: int) -> None:
-        """Drop member ``index``'s gradient (the inner optimizer skips it, as a parameter without one)."""
-        piece = self.pieces.get(index)
+    def drop_piece(self, key: Hashable) -> None:
+        """Drop one piece's gradient (its optimizer skips it, as a parameter without one)."""
+        piece = self.pieces.get(key)
         if piece is not None:
             set_grad(piece, None)
 
-    def _point_pieces(self) -> None:
-        grad = self.param.grad
-        for index, offset, numel, shape in self.where:
-            start = offset - self.lo
-            set_grad(self.pieces[index], None if grad is None else grad[start : start + numel].view(shape))
+    def local(self, start: int, stop: int) -> list[Tensor]:
+        """Return this rank's ZeRO-2 gradient of the flat range ``[start, stop)``: views, none without one."""
+        grad = self.grad
+        return [] if grad is None else [grad[a:b] for a, b in self.packed(start, stop)]
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

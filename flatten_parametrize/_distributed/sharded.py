@@ -1,44 +1,43 @@
 """ZeRO-1/2 over the flat buffers: :class:`ShardedOptimizer`.
 
-Each trainable flat parameter of ``n`` elements is cut, over a world of ``W``
-ranks, into ``W`` contiguous slices of ``c = ceil(n / W)`` elements (the flat
-buffer padded once to ``W * c``; the padding lives only where a slice crosses
-the end, in a small zero "shadow" of that slice). Rank ``r`` owns slice ``r``:
-the inner optimizer (any element-wise ``torch.optim`` class) holds one
-parameter of ``c`` elements per flat parameter, which is a view of the flat
-buffer itself where the slice lies inside it, so it keeps state for ``1 / W``
-of the model.
+Every rank owns element ranges of each trainable flat parameter, chosen by the
+optimizer's ownership rule, one strategy object per rule
+(``sharded_strategies.py``): ZeRO's equal slices (each of ``W`` ranks the
+``r``-th of ``c = ceil(n / W)`` elements), or whole tensors
+(``whole_tensors=True``). This rank's inner optimizers step its pieces, views
+of the flat buffer, so it keeps optimizer state for its part of the model only.
 
 Per training step:
 
 * backward: a post-accumulate-grad hook on each flat parameter starts its
   reduction as soon as its gradient is final; with ``shard_gradients=True``
-  (ZeRO-2) only this rank's averaged slice is kept and the full flat gradient
-  is freed, with ``False`` (ZeRO-1) the whole flat gradient is averaged and
-  the slice is a view of it. Collectives start in group order on every rank
-  (``bucket_cap_mb`` buckets are numbered in the order backward finishes
-  them); an autograd-engine callback finishes every reduction when backward
-  ends.
-* ``step()``: the inner optimizer updates this rank's slices, then every
-  slice is copied from its owner into every rank's flat buffer.
+  (ZeRO-2) only this rank's averaged ranges are kept and the full flat
+  gradient is freed, with ``False`` (ZeRO-1) the whole flat gradient is
+  averaged and the pieces' gradients view it. Collectives start in group
+  order on every rank (``bucket_cap_mb`` buckets are numbered in the order
+  backward finishes them); an autograd-engine callback finishes every
+  reduction when backward ends.
+* ``step()``: the inner optimizers update this rank's pieces, then every
+  owner's ranges are copied into every rank's flat buffer.
 
-This module is the ``torch.optim.Optimizer`` API and the wiring; each concern
-is an object in its own module, which the others reach only through it:
+This module is the ``torch.optim.Optimizer`` API and the wiring; it asks the
+strategy and branches on none; each concern is an object in its own module,
+which the others reach only through it:
 
-* ``sharded_partition.py``: who owns which slice (``SliceOwnership``, behind
-  the ``Partition`` protocol; ``TensorOwnership`` for ``whole_tensors=True``;
-  ``shard.py``: one rank's slice of one flat parameter, ``TensorShard`` its
-  range of whole tensors);
+* ``sharded_strategies.py``: the ownership rules (param groups, who owns which
+  ranges, this rank's pieces); ``sharded_partition.py`` this rank's shards
+  (``shard.py``: one flat parameter's ranges and pieces);
+* ``sharded_rules.py``: what a class can be sharded by (cuts, settings read when
+  constructed, steps that read several tensors);
 * ``sharded_collectives.py``: every collective over the process group;
 * ``sharded_reducer.py``: the gradient path during backward (hooks, buckets,
-  the engine callback);
-* ``sharded_local.py``: the inner optimizer over the slices (step, state
-  creation, gradient clipping), and the inner optimizers by class over whole
-  tensors (``WholeTensorStep``);
-* ``sharded_state.py``: the state-dict conversion, which reads a
-  ``StateView`` of the parts above; ``sharded_whole_state.py`` the one of
-  ``whole_tensors=True`` (the plain model's per-tensor format);
-* ``sharded_member.py``: the optimizer's feature on the core (lifecycle,
+  the engine callback); ``sharded_grads.py`` the gradients as the model shows
+  them (ZeRO-2's placeholders, ZeRO-1's whole gradients);
+* ``sharded_local.py``: the inner optimizers (step, their own methods, state
+  creation, gradient clipping);
+* ``sharded_state.py``: the state-dict conversions, which read a ``StateView``
+  of the parts above;
+* ``sharded_feature.py``: the optimizer's feature on the core (lifecycle,
   flat-gradient hook, sync claim);
 * ``sharded_args.py``: the argument checks.
 """
@@ -58,28 +57,17 @@ from torch import Tensor
 from .._core.grad import check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
-from .engine import checked_process_group
 from .outside_params import broadcast as broadcast_outside
 from .outside_params import outside_params
-from .sharded_args import (
-    ALLOWED_OPTIMIZERS,
-    WholeTensorGroup,
-    check_class,
-    check_same_layout,
-    classes_of,
-    hyperparameters,
-    slice_groups,
-    whole_tensor_groups,
-)
+from .process_group import checked_process_group
+from .sharded_args import ALLOWED_OPTIMIZERS, check_same_layout
 from .sharded_collectives import Collectives
+from .sharded_feature import SYNCS, OptimizerShards, buffers, live_core, refusal, synced
 from .sharded_grads import model_grads
-from .sharded_local import LocalOptimizers, LocalStep, WholeTensorStep, no_checkpoints, own_method
-from .sharded_member import SYNCS, Member, buffers, live_core, refusal, synced
-from .sharded_partition import Member as PartitionMember
-from .sharded_partition import Partition, SliceOwnership, TensorOwnership
+from .sharded_local import build, own_method, pieces_of
+from .sharded_partition import Partition
 from .sharded_reducer import Reducer, ready_hook
-from .sharded_rules import cuttable
-from .sharded_whole_state import WholeStateView, gathered_whole_state_dict, load_whole_state_dict
+from .sharded_strategies import ShardedGroup, Strategy, strategy_for
 
 if TYPE_CHECKING:
     from .._core.records import Coordinator, PublicStorage
@@ -91,8 +79,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Shard an element-wise optimizer's state and the gradients over ranks (ZeRO-1/2) on flat buffers.
 
     Each trainable flat parameter is cut into one contiguous slice per rank
-    (the buffer padded once to a multiple of the world size; the padding is
-    zero and never visible); rank ``r`` keeps the inner optimizer's state and,
+    (``ceil(n / W)`` elements each, the last ones shorter: the one-buffer
+    collectives of NCCL pad in flight); rank ``r`` keeps the inner optimizer's state and,
     with ``shard_gradients=True``, the averaged gradient of slice ``r`` only,
     and :meth:`step` copies every updated slice into every rank's flat
     buffers. The optimizer averages gradients over the ranks itself during
@@ -115,7 +103,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     hyperparameters (LR schedulers change them there; :meth:`step` passes them
     on). ``state[flat]`` is this rank's slice of that flat parameter's state
     (empty until the first step, as in any torch optimizer) and
-    ``local_optimizer`` the inner optimizer over the slices. After
+    ``local_optimizer`` the inner optimizers over this rank's pieces (its
+    ``optimizers``, one per class; its ``param_groups`` and ``state`` theirs). After
     backward with ``shard_gradients=True`` the storage keeps no full-size
     gradient memory, and a flat parameter's ``.grad`` (a leaf's in
     per-tensor mode) is a placeholder of the gradient sharded over the ranks:
@@ -152,8 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``storage.unflatten()``) and a param group may name its own
             class under ``"optimizer_class"`` (e.g. Muon on the matrices,
             the constructor's AdamW on the rest). ``state_dict()`` is then
-            the plain model's per-tensor format (any world size); the
-            per-rank ``sharded_state_dict()`` and DCP raise.
+            the plain model's per-tensor format (any world size).
         **optimizer_kwargs: defaults for the inner optimizer (``lr=...``).
 
     Raises:
@@ -196,43 +184,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         **optimizer_kwargs: Any,
     ) -> None:
         core: Coordinator = core_behind(storage, "ShardedOptimizer")
-        check_class(optimizer_class, allow_unlisted, whole_tensors=whole_tensors)
-        wholes = (
-            whole_tensor_groups(core, params, optimizer_class, optimizer_kwargs, allow_unlisted)
-            if whole_tensors
-            else None
-        )
-        groups = slice_groups(core, params, optimizer_class, optimizer_kwargs) if wholes is None else []
-        used = (
-            [p for g in groups for p in g["params"]]
-            if wholes is None
-            else [core.flat_params[g] for g in sorted({g for w in wholes for g, _ in w.members})]
-        )
+        strategy = strategy_for(core, whole_tensors)
+        groups = strategy.groups(core, params, optimizer_class, optimizer_kwargs, allow_unlisted)
+        used = _flats_of(core, groups)
         check_sync(buffers(synced(core, used)), self, SYNCS)
         pg, world = checked_process_group(process_group, "ShardedOptimizer")
         self._storage_ref = weakref.ref(core)
         self._shard_gradients = bool(shard_gradients)
-        #: The inner optimizers' classes (their own methods are reached through this optimizer).
-        self._classes = classes_of(optimizer_class, wholes)
-        #: The keyword arguments the inner optimizer over slices is constructed with.
-        self._optimizer_kwargs = dict(optimizer_kwargs)
-        #: The param groups of ``whole_tensors=True`` (``None``: slices).
-        self._wholes = wholes
+        #: The ownership rule, and the param groups it checked (each one's class and entries).
+        self._strategy: Strategy = strategy
+        self._groups: list[ShardedGroup] = groups
+        #: The constructor's class and keyword arguments (a param group added later takes them).
+        self._optimizer_class, self._optimizer_kwargs = optimizer_class, dict(optimizer_kwargs)
         #: The process group and every collective over it.
         self._comm = Collectives(pg, world)
-        #: Who owns which slice: this rank's slices, in core order (the order collectives start in).
-        self._ownership: Partition = (
-            SliceOwnership(world, self._comm.rank)
-            if wholes is None
-            else TensorOwnership(world, self._comm.rank, _members_of(core, wholes))
-        )
+        #: This rank's shards, in core order (the order collectives start in).
+        self._ownership = Partition(strategy, world, self._comm.rank)
+        self._ownership.add(core.flat_params, used)
         #: The gradients as the model shows them (ZeRO-2: placeholders of the shards), settled before
         #: each update.
         self._grads = model_grads(core, self._ownership, self._comm, self._shard_gradients)
         #: The gradient path during backward.
         self._reducer = Reducer(core, self._ownership, self._comm, self._grads)
         #: This optimizer's part on the core: its lifecycle and the flat-gradient hook of its groups.
-        self._member = Member(
+        self._member = OptimizerShards(
             self,
             core,
             self._shard_gradients,
@@ -241,32 +216,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._grads,
         )
         self._building = True
-        if wholes is None:
-            inner_groups = [
-                {**g, "params": self._ownership.add(core.flat_params, g["params"])} for g in groups
-            ]
-            #: The inner optimizer (of ``optimizer_class``) over this rank's slices.
-            self.local_optimizer = optimizer_class(inner_groups, **optimizer_kwargs)
-            self._local = LocalStep(self.local_optimizer, self._ownership, self._shard_gradients)
-            outer = [
-                {**hyperparameters(inner), "params": g["params"]}
-                for g, inner in zip(groups, self.local_optimizer.param_groups)
-            ]
-            defaults = dict(self.local_optimizer.defaults)
-        else:
-            self._ownership.add(core.flat_params, used)
-            outer, self._local = _whole_tensor_step(wholes, self._ownership, self._shard_gradients)
-            self.local_optimizer = self._local.optimizer
-            defaults = {}
-        super().__init__(outer, defaults)
+        outer, self._local = build(groups, self._ownership, self._shard_gradients)
+        #: The inner optimizers over this rank's pieces (one per class and construction settings).
+        self.local_optimizer = self._local.optimizer
+        # the constructor's class's defaults that every group has (a group of another class has its own)
+        probe = optimizer_class([torch.zeros(2, 2)], **optimizer_kwargs).defaults
+        super().__init__(outer, {k: v for k, v in probe.items() if all(k in group for group in outer)})
         self._building = False
-        check_same_layout(
-            core,
-            self.param_groups if wholes is None else wholes,
-            optimizer_class,
-            self._shard_gradients,
-            self._comm,
-        )
+        check_same_layout(core, groups, optimizer_class, self._shard_gradients, self._comm)
         self._broadcast(core.flat_params)
         broadcast_outside(outside_params(core.module), self._comm.owners[0], pg)
         self._join(core)
@@ -279,9 +236,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         given and taken back as in :meth:`step`, then every rank's tensors are gathered (the method may
         change them): a collective call, made on every rank like :meth:`step`.
         """
-        if own_method(self.__dict__.get("_classes", ()), name) is None:
+        groups = self.__dict__.get("_groups", [])
+        classes = [self.__dict__.get("_optimizer_class"), *(group.optimizer_class for group in groups)]
+        if own_method([cls for cls in classes if cls is not None], name) is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return functools.partial(self._call_inner, name)
+
+    def _classes(self) -> list[type[torch.optim.Optimizer]]:
+        return [self._optimizer_class, *(group.optimizer_class for group in self._groups)]
 
     def _call_inner(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self._follow(strict=True)  # the slices hold the flat buffers' values (a load wrote them)
@@ -293,6 +255,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------- wiring
     def _storage(self) -> Coordinator:
         return live_core(self._storage_ref)
+
+    def _shards(self) -> dict[int, Any]:
+        return {shard.g: shard for shard in self._ownership.shards}
 
     def _broadcast(self, flats: Sequence[Tensor]) -> None:
         """Copy rank 0's values of ``flats`` to every rank, then refresh the slices."""
@@ -318,14 +283,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._link_state()
 
     def _link_state(self) -> None:
-        """Make ``state[flat]`` this rank's slice state (the inner optimizer's own dict), once it has any.
+        """Make ``state[param]`` the state of this rank's piece of it (the inner optimizer's own dict).
 
-        Like a torch optimizer's, ``state`` is empty until the first step (or
-        load): ``torch.distributed.checkpoint`` takes a non-empty ``state`` for
-        an initialized one.
+        A flat parameter's slice (ZeRO), a tensor this rank steps whole. Like a
+        torch optimizer's, ``state`` is empty until the first step (or load):
+        ``torch.distributed.checkpoint`` takes a non-empty ``state`` for an
+        initialized one.
         """
         self.state.clear()
-        self.state.update(self._local.state_by_flat())
+        self.state.update(self._local.state_by_param(self.param_groups))
 
     def _follow(self, strict: bool) -> None:
         """Follow flat parameters that ``module.to()`` & co. replaced or moved to other memory.
@@ -344,16 +310,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if replaced:
             self._hook()
 
-    def _whole_state_view(self, wholes: Sequence[WholeTensorGroup]) -> WholeStateView:
-        """Return what the checkpoint of ``whole_tensors=True`` reads of this optimizer."""
-        local = self.local_optimizer
-        assert isinstance(local, LocalOptimizers)
-        owned = self._local.owned_groups()
-        return WholeStateView(self.param_groups, wholes, local, self._ownership, self._comm, owned)
-
     def _state_view(self) -> _sharded_state.StateView:
         """Return what the state conversion reads of this optimizer."""
-        return _sharded_state.StateView(self.param_groups, self.local_optimizer, self._ownership, self._comm)
+        return _sharded_state.StateView(
+            self.param_groups, self._groups, self._local, self._ownership, self._comm
+        )
 
     # -------------------------------------------------------------- optimizer API
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -376,18 +337,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._building:
             super().add_param_group(param_group)
             return
-        _refuse_for_whole_tensors(self._wholes, "add_param_group()")
+        self._strategy.check_add_group()
         storage = self._storage()
         taken = [p for g in self.param_groups for p in g["params"]]
-        cls, kwargs = type(self.local_optimizer), self._optimizer_kwargs
-        (group,) = slice_groups(storage, [param_group], cls, kwargs, taken=taken)
-        check_sync(buffers(synced(storage, group["params"])), self, SYNCS)
-        new = self._ownership.add(storage.flat_params, group["params"])
-        self.local_optimizer.add_param_group({**group, "params": new})
-        super().add_param_group(
-            {**hyperparameters(self.local_optimizer.param_groups[-1]), "params": group["params"]}
-        )
-        self._broadcast(group["params"])
+        cls, kwargs = self._optimizer_class, self._optimizer_kwargs
+        (group,) = self._strategy.groups(storage, [param_group], cls, kwargs, True, taken=taken)
+        flats = _flats_of(storage, [group])
+        check_sync(buffers(synced(storage, flats)), self, SYNCS)
+        self._ownership.add(storage.flat_params, flats)
+        pieces = [piece for entry in group.entries for piece in pieces_of(entry, self._shards())]
+        entries = self._local.add(group, pieces, len(self.param_groups))
+        super().add_param_group({**entries, "params": group.group["params"]})
+        self._groups.append(group)
+        self._broadcast(flats)
         self._join(storage)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -496,10 +458,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        if self._wholes is not None:
-            result = gathered_whole_state_dict(self._whole_state_view(self._wholes))
-        else:
-            result = _sharded_state.gathered_state_dict(self._state_view())
+        result = _sharded_state.gathered_state_dict(self._state_view())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             hooked = post_hook(self, result)
             if hooked is not None:
@@ -527,11 +486,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             hooked = pre_hook(self, state_dict)  # type: ignore[arg-type]  # torch types it a dict
             if hooked is not None:
                 state_dict = hooked
-        if self._wholes is not None:
-            load_whole_state_dict(self._whole_state_view(self._wholes), state_dict)
-        else:
-            _sharded_state.load_gathered(self._state_view(), state_dict)
-        self._local.push(self.param_groups)  # what the optimizers keep in their groups: the saved one's
+        _sharded_state.load_gathered(self._state_view(), state_dict)
         self._link_state()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -545,12 +500,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         back, or the list of every rank's dicts at another world size.
 
         Returns:
-            ``{"format", "world_size", "rank", "numels", "state", "param_groups"}``.
+            ``{"format", "world_size", "rank", "entries", "state", "param_groups", "stepped_groups"}``:
+            ``state`` holds, per tensor of the gathered state dict, this rank's pieces of it.
 
         Example:
             >>> torch.save(opt.sharded_state_dict(), f"optim.{dist.get_rank()}.pt")
         """
-        _refuse_for_whole_tensors(self._wholes, "sharded_state_dict()")
         return _sharded_state.local_state_dict(self._state_view())
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -574,9 +529,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             >>> parts = [torch.load(f"optim.{r}.pt", mmap=True) for r in range(saved_world_size)]
             >>> opt.load_sharded_state_dict(parts)
         """
-        _refuse_for_whole_tensors(self._wholes, "load_sharded_state_dict()")
         _sharded_state.load_local_parts(self._state_view(), state_dict)
-        self._local.push(self.param_groups)
         self._link_state()
 
 
@@ -597,90 +550,19 @@ def init_state(opt: ShardedOptimizer) -> None:
         opt._link_state()
 
 
-def whole_tensor_members(opt: ShardedOptimizer) -> tuple[Coordinator, list[list[tuple[int, int]]]] | None:
-    """Return the storage's core and each param group's ``(flat index, member index)`` tensors.
+def entries_of(opt: ShardedOptimizer) -> tuple[Coordinator, list[list[Any]]]:
+    """Return the storage's core and each param group's entries (``sharded_strategies.Entry``).
 
-    For ``ShardedOptimizer(whole_tensors=True)``, in the order of its gathered
-    state; ``None`` for one that shards slices.
+    The tensors of the gathered state dict, in its order: a flat parameter each (ZeRO's slices), or
+    the model's tensors (whole tensors).
     """
-    if opt._wholes is None:
-        return None
-    return opt._storage(), [list(whole.members) for whole in opt._wholes]
+    return opt._storage(), [list(group.entries) for group in opt._groups]
 
 
-def _refuse_for_whole_tensors(wholes: Sequence[WholeTensorGroup] | None, what: str) -> None:
-    """Raise for what ``ShardedOptimizer(whole_tensors=True)`` cannot do (``wholes`` not ``None``)."""
-    if wholes is None:
-        return
-    if what == "add_param_group()":
-        raise RuntimeError(
-            "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it "
-            "cannot add a param group later; build it with every param group"
-        )
-    raise no_checkpoints(what)
-
-
-def _members_of(
-    core: Coordinator, wholes: Sequence[WholeTensorGroup]
-) -> Callable[[int], list[PartitionMember]]:
-    """Return ``g ->`` flat parameter ``g``'s members, atomic unless their class may be cut (``cuttable``)."""
-    atomic = {member: not cuttable(w.optimizer_class) for w in wholes for member in w.members}
-
-    def members(g: int) -> list[PartitionMember]:
-        layout = core.groups()[g].layout
-        return [
-            (
-                index,
-                layout.offsets[index],
-                layout.numels[index],
-                layout.shapes[index],
-                atomic.get((g, index), False),
-            )
-            for index in range(len(layout.numels))
-        ]
-
-    return members
-
-
-def _whole_tensor_step(
-    wholes: Sequence[WholeTensorGroup],
-    ownership: Partition,
-    shard_gradients: bool,
-) -> tuple[list[dict[str, Any]], WholeTensorStep]:
-    """Return the outer param groups and the inner optimizers over this rank's whole tensors.
-
-    One inner optimizer per class and settings it is constructed with (``WholeTensorGroup.init``: the
-    group's settings that its constructor names), over the tensors this rank owns of those groups (none
-    where it owns none); each outer group holds its class's defaults, the group's own settings and the
-    user's tensors, so that an LR scheduler's changes reach the inner group at each step.
-    """
-    shards = {shard.g: shard for shard in ownership.shards}
-    by_kind: dict[tuple[type[torch.optim.Optimizer], str], list[tuple[dict[str, Any], int]]] = {}
-    outer = []
-    for i, whole in enumerate(wholes):
-        probe = whole.optimizer_class([torch.zeros(2, 2)], **whole.init)  # its defaults
-        outer.append(
-            {
-                **hyperparameters(probe.param_groups[0]),
-                **hyperparameters(whole.group),
-                "params": whole.group["params"],
-            }
-        )
-        pieces = [
-            shards[g].pieces[index]  # type: ignore[attr-defined]  # TensorShard
-            for g, index in whole.members
-            if g in shards and index in shards[g].pieces  # type: ignore[attr-defined]
-        ]
-        if pieces:
-            kind = (whole.optimizer_class, repr(sorted(whole.init.items())))
-            by_kind.setdefault(kind, []).append(({**outer[i], "params": pieces}, i))
-    optimizers, links = [], []
-    for o, ((cls, _), items) in enumerate(by_kind.items()):
-        init = wholes[items[0][1]].init
-        optimizers.append(cls([inner for inner, _ in items], **init))
-        links += [(o, j, i) for j, (_, i) in enumerate(items)]
-    local = WholeTensorStep(LocalOptimizers(optimizers), links, ownership, shard_gradients)
-    return outer, local
+def _flats_of(core: Coordinator, groups: Sequence[ShardedGroup]) -> list[Tensor]:
+    """Return the flat parameters that hold the entries of ``groups``, in group order."""
+    used = sorted({entry.g for group in groups for entry in group.entries})
+    return [core.flat_params[g] for g in used]
 
 
 def _follower(ref: weakref.ref[ShardedOptimizer]) -> Callable[[], None]:

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .sharded_rules import (
-    ALLOWED_OPTIMIZERS,
-    check_known_settings,
-    check_slice_settings,
-    check_steps_alone,
-    construction_kwargs,
-)
+from .sharded_rules import ALLOWED_OPTIMIZERS
 
 if TYPE_CHECKING:
     from .._core.records import Coordinator
@@ -24,14 +18,12 @@ if TYPE_CHECKING:
 __all__ = [
     "ALLOWED_OPTIMIZERS",
     "CLASS_KEY",
-    "WholeTensorGroup",
     "check_class",
     "check_same_layout",
-    "classes_of",
-    "slice_groups",
     "hyperparameters",
+    "items_of",
+    "not_in_storage",
     "param_groups",
-    "whole_tensor_groups",
 ]
 
 #: The key of a param group that names its own optimizer class (``whole_tensors=True``).
@@ -66,7 +58,7 @@ def check_class(optimizer_class: Any, allow_unlisted: bool, whole_tensors: bool 
         )
 
 
-def _items(flats: Sequence[Tensor], params: Any, kinds: str, example: str) -> list[Any]:
+def items_of(flats: Sequence[Tensor], params: Any, kinds: str, example: str) -> list[Any]:
     """Return ``params`` as a list of param-group items (``None``: one group of every flat parameter)."""
     if params is None:
         return [{"params": list(flats)}]
@@ -76,87 +68,17 @@ def _items(flats: Sequence[Tensor], params: Any, kinds: str, example: str) -> li
             f"got {type(params).__name__}; pass e.g. {example}"
         )
     items = list(params)
-    return [{"params": items}] if items and not isinstance(items[0], Mapping) else items
-
-
-class WholeTensorGroup(NamedTuple):
-    """One param group of a ``ShardedOptimizer(whole_tensors=True)``, checked."""
-
-    #: The group as given, with ``params`` a list of the user's tensors.
-    group: dict[str, Any]
-    #: Its optimizer class (the group's own, or the constructor's).
-    optimizer_class: type[torch.optim.Optimizer]
-    #: ``(flat parameter index, member index)`` of every tensor it holds, in the order given.
-    members: list[tuple[int, int]]
-    #: The keyword arguments its class is constructed with (``sharded_rules.construction_kwargs``).
-    init: dict[str, Any]
-
-
-def whole_tensor_groups(
-    storage: Coordinator,
-    params: Any,
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    allow_unlisted: bool,
-) -> list[WholeTensorGroup]:
-    """Return ``params`` as checked groups over the storage's tensors (``whole_tensors=True``).
-
-    A group's ``params`` may hold flat parameters (all of their tensors) and,
-    in per-tensor mode, the model's parameters (each one tensor). A group may
-    name its own optimizer class under ``"optimizer_class"``; each group's
-    class is checked by the rules of ``sharded_rules.py`` with the settings it
-    is constructed with.
-
-    Raises:
-        TypeError: if ``params`` is not an iterable of tensors or of param-group dicts.
-        ValueError: if a tensor is not one of the storage's, or is listed twice, or a
-            group's class cannot step a rank's tensors alone.
-    """
-    flats = storage.flat_params
-    items = _items(flats, params, "tensors", "[{'params': mats, 'optimizer_class': torch.optim.Muon}]")
-    slots = {
-        id(slot.param): (g, slot.index) for g, group in enumerate(storage.groups()) for slot in group.members
-    }
-    sizes = [len(group.members) for group in storage.groups()]
-    seen: dict[tuple[int, int], int] = {}
-    out = []
+    items = [{"params": items}] if items and not isinstance(items[0], Mapping) else items
     for i, item in enumerate(items):
         if not isinstance(item, Mapping) or "params" not in item:
             raise TypeError(
                 f"ShardedOptimizer: param group {i} must be a dict with a 'params' list; got "
-                f"{type(item).__name__}; pass e.g. {{'params': matrices, 'lr': 0.02}}"
+                f"{type(item).__name__}; pass e.g. {example}"
             )
-        cls = item.get(CLASS_KEY, optimizer_class)
-        check_class(cls, allow_unlisted, whole_tensors=True)
-        tensors = item["params"]
-        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-        members: list[tuple[int, int]] = []
-        for p in tensors:
-            g = next((g for g, f in enumerate(flats) if f is p), None)
-            if g is not None:
-                found = [(g, index) for index in range(sizes[g])]
-            elif id(p) in slots:
-                found = [slots[id(p)]]
-            else:
-                raise _not_in_storage(storage, p, i)
-            for member in found:
-                if member in seen:
-                    info = storage.groups()[member[0]].members[member[1]]
-                    raise ValueError(
-                        f"ShardedOptimizer: {info.name} appears in param groups {seen[member]} and {i}; "
-                        "list each parameter once"
-                    )
-                seen[member] = i
-            members += found
-        group = {k: v for k, v in item.items() if k != CLASS_KEY}
-        init = construction_kwargs(cls, optimizer_kwargs if cls is optimizer_class else {}, group)
-        check_known_settings(cls([torch.zeros(2, 2, requires_grad=True)], **init))
-        check_steps_alone(cls, init, [tuple(t.shape) for t in tensors])
-        out.append(WholeTensorGroup({**group, "params": tensors}, cls, members, init))
-    return out
+    return items
 
 
-def _not_in_storage(storage: Coordinator, p: Any, i: int) -> ValueError:
+def not_in_storage(storage: Coordinator, p: Any, i: int) -> ValueError:
     """Return the error for ``p`` in param group ``i``: not a tensor of the storage (why, and what to do)."""
     what = f"{type(p).__name__} of shape {tuple(p.shape)}" if isinstance(p, Tensor) else repr(p)
     start = (
@@ -178,42 +100,12 @@ def _not_in_storage(storage: Coordinator, p: Any, i: int) -> ValueError:
     )
 
 
-def classes_of(
-    optimizer_class: type[torch.optim.Optimizer], wholes: Sequence[WholeTensorGroup] | None
-) -> list[type[torch.optim.Optimizer]]:
-    """Return the optimizer classes of a ``ShardedOptimizer``: the constructor's, then each group's own."""
-    return [optimizer_class, *(whole.optimizer_class for whole in wholes or ())]
-
-
-def slice_groups(
-    storage: Coordinator,
-    params: Any,
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    taken: Sequence[Tensor] = (),
-) -> list[dict[str, Any]]:
-    """Return ``params`` as checked param-group dicts over flat parameters for the one inner optimizer.
-
-    Raises:
-        TypeError, ValueError: as :func:`param_groups`; ``ValueError`` also for a group setting that
-            the class reads when it is constructed only (``sharded_rules.check_slice_settings``).
-    """
-    groups = param_groups(storage, params, taken)
-    check_slice_settings(optimizer_class, optimizer_kwargs, groups)
-    return groups
-
-
 def param_groups(storage: Coordinator, params: Any, taken: Sequence[Tensor] = ()) -> list[dict[str, Any]]:
     """Return ``params`` as param-group dicts over flat parameters of ``storage`` (checked)."""
     flats = storage.flat_params
-    items = _items(flats, params, "flat parameters", "[{'params': [storage['0']]}]")
+    items = items_of(flats, params, "flat parameters", "[{'params': [storage['0']]}]")
     groups, seen = [], list(taken)
     for i, item in enumerate(items):
-        if not isinstance(item, Mapping) or "params" not in item:
-            raise TypeError(
-                f"ShardedOptimizer: param group {i} must be a dict with a 'params' list; got "
-                f"{type(item).__name__}; pass e.g. {{'params': [storage['0']], 'lr': 0.1}}"
-            )
         members = item["params"]
         members = [members] if isinstance(members, Tensor) else list(members)
         for p in members:
@@ -240,9 +132,21 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+class _Fingerprinted(Protocol):
+    """What the layout check reads of a checked param group (``sharded_strategies.ShardedGroup``)."""
+
+    @property
+    def entries(self) -> Sequence[Any]:
+        """Its tensors in the gathered state dict."""
+
+    @property
+    def optimizer_class(self) -> type:
+        """Its optimizer class."""
+
+
 def check_same_layout(
     storage: Coordinator,
-    groups: Sequence[Mapping[str, Any]] | Sequence[WholeTensorGroup],
+    groups: Sequence[_Fingerprinted],
     optimizer_class: type,
     shard_gradients: bool,
     comm: Collectives,
@@ -258,12 +162,7 @@ def check_same_layout(
         (
             [(n, f.numel(), str(f.dtype), f.requires_grad) for n, f in zip(storage.group_names, flats)],
             [(i.name, i.group, i.offset, i.numel, tuple(i.shape)) for i in storage.param_infos],
-            [
-                (pg.members, pg.optimizer_class.__qualname__)
-                if isinstance(pg, WholeTensorGroup)
-                else [next(g for g, f in enumerate(flats) if f is p) for p in pg["params"]]
-                for pg in groups
-            ],
+            [(group.entries, group.optimizer_class.__qualname__) for group in groups],
             optimizer_class.__qualname__,
             shard_gradients,
         )

@@ -45,8 +45,8 @@ reduce_scatter: Callable[..., Any] = (
 #: The most padding (a fraction of the bucket) for which uneven ranges take the one-buffer path.
 MAX_PADDING = 0.05
 
-#: The handles of the collectives in flight for one flat gradient, and the tensor they reduce into.
-Works = tuple[list[Any], Tensor]
+#: The handles of the collectives in flight for one flat gradient, and what gives its result after them.
+Works = tuple[list[Any], Callable[[], Tensor]]
 
 
 class Collectives:
@@ -74,7 +74,7 @@ class Collectives:
         """Return whether ``shard``'s ranges move one owner at a time (else: one padded buffer)."""
         if self.by_owner:
             return True
-        return not shard.even and shard.chunk * self.world - shard.numel > MAX_PADDING * shard.numel
+        return not shard.aligned and shard.chunk * self.world - shard.numel > MAX_PADDING * shard.numel
 
     def device(self, flats: Sequence[Tensor]) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""
@@ -103,99 +103,100 @@ class Collectives:
         """Start averaging the whole ``grad`` in place over the ranks (ZeRO-1)."""
         if not self.nccl:
             grad.div_(self.world)  # gloo has no average: divide, then sum
-            return [dist.all_reduce(grad, group=self.group, async_op=True)], grad
-        return [dist.all_reduce(grad, dist.ReduceOp.AVG, group=self.group, async_op=True)], grad
+            return [dist.all_reduce(grad, group=self.group, async_op=True)], lambda: grad
+        return [dist.all_reduce(grad, dist.ReduceOp.AVG, group=self.group, async_op=True)], lambda: grad
 
     def reduce_to_owners(self, shard: Shard, grad: Tensor) -> Works:
-        """Start summing each slice of ``grad`` on its owner (ZeRO-2); this rank's sum lands in the result.
+        """Start summing each owner's ranges of ``grad`` on that owner (ZeRO-2).
 
-        By owner, the sum of this rank's slice lands in ``grad[shard.lo:shard.hi]``;
-        in one padded buffer, it is the returned slice-sized tensor.
+        Returns:
+            The handles and what gives this rank's summed ranges, packed (maybe padded), once they finished.
         """
         pg, world = self.group, self.world
         if self.by_owner_for(shard):
-            works = []
-            for owner in range(world):
-                lo, hi = shard.bounds(owner)
-                if hi > lo:
-                    works.append(dist.reduce(grad[lo:hi], self.owners[owner], group=pg, async_op=True))
-            return works, grad
-        padded = grad
-        if not shard.even:  # whole tensors: each owner's range at the start of its chunk
-            padded = self._spread(shard, grad)
-        elif grad.numel() != shard.chunk * world:
-            padded = torch.cat([grad, grad.new_zeros(shard.chunk * world - grad.numel())])
+            works = [
+                dist.reduce(grad[lo:hi], self.owners[owner], group=pg, async_op=True)
+                for owner in range(world)
+                for lo, hi in shard.ranges[owner]
+            ]
+            return works, lambda: shard.pack(grad)
         out = grad.new_empty(shard.chunk)
-        return [reduce_scatter(out, padded, group=pg, async_op=True)], out
+        return [reduce_scatter(out, self._spread(shard, grad), group=pg, async_op=True)], lambda: out
 
     def _spread(self, shard: Shard, values: Tensor) -> Tensor:
-        """Return a new buffer of ``chunk`` elements per rank, each owner's range of ``values`` first."""
-        chunk = shard.chunk
-        out = values.new_zeros(chunk * self.world)
-        for owner in range(self.world):
-            lo, hi = shard.bounds(owner)
-            out[owner * chunk : owner * chunk + hi - lo].copy_(values[lo:hi])
+        """Return ``values`` in one buffer of ``chunk`` elements per rank, each owner's ranges first."""
+        chunk, world = shard.chunk, self.world
+        if shard.aligned:  # each owner's range is already at its slot: pad the end
+            if values.numel() == chunk * world:
+                return values
+            return torch.cat([values, values.new_zeros(chunk * world - values.numel())])
+        out = values.new_zeros(chunk * world)
+        for owner in range(world):
+            at = owner * chunk
+            for lo, hi in shard.ranges[owner]:
+                out[at : at + hi - lo].copy_(values[lo:hi])
+                at += hi - lo
         return out
 
-    def gather_slices(self, shards: Sequence[Shard]) -> None:
-        """Copy every owner's updated slice into every rank's flat buffers."""
+    def gather_ranges(self, shard: Shard, full: Tensor) -> list[Any]:
+        """Start filling every owner's ranges of ``full`` (shaped like the flat buffer) from that owner.
+
+        ``full`` holds this rank's ranges. By owner: a broadcast of each range into ``full``, in place.
+        In one padded buffer: this rank's ranges packed into a slot, one ``all_gather``, and the others'
+        copied into ``full`` when :meth:`finish` runs the returned handles' follow-ups.
+
+        Returns:
+            The handles, and the copies to run after them (see :meth:`finish`).
+        """
         world, pg = self.world, self.group
-        works, padded = [], []
-        spread: list[tuple[Shard, Tensor, Tensor]] = []
-        with torch.no_grad():
-            for shard in shards:
-                flat = shard.flat.detach()
-                if shard.shadow:
-                    flat[shard.lo : shard.hi].copy_(shard.param[: shard.hi - shard.lo])
-                if self.by_owner_for(shard):
-                    for owner in range(world):
-                        lo, hi = shard.bounds(owner)
-                        if hi > lo:
-                            works.append(
-                                dist.broadcast(flat[lo:hi], self.owners[owner], group=pg, async_op=True)
-                            )
-                elif not shard.even:  # whole tensors: this rank's range padded to a chunk
-                    mine = flat.new_zeros(shard.chunk)
-                    mine[: shard.hi - shard.lo].copy_(flat[shard.lo : shard.hi])
-                    out = flat.new_empty(shard.chunk * world)
-                    works.append(all_gather(out, mine, group=pg, async_op=True))
-                    spread.append((shard, flat, out))
-                elif shard.numel == shard.chunk * world:  # in place: the input is the output's slice
-                    works.append(all_gather(flat, shard.param, group=pg, async_op=True))
-                else:
-                    out = flat.new_empty(shard.chunk * world)
-                    works.append(all_gather(out, shard.param, group=pg, async_op=True))
-                    padded.append((flat, out))
+        if self.by_owner_for(shard):
+            works = [
+                dist.broadcast(full[lo:hi], self.owners[owner], group=pg, async_op=True)
+                for owner in range(world)
+                for lo, hi in shard.ranges[owner]
+            ]
+            return [(works, None)]
+        chunk = shard.chunk
+        if shard.aligned and full.numel() == chunk * world and full.is_contiguous():
+            lo = shard.rank * chunk
+            return [([all_gather(full, full[lo : lo + chunk], group=pg, async_op=True)], None)]
+        mine = full.new_zeros(chunk)
+        mine[: shard.owned].copy_(shard.pack(full))
+        out = full.new_empty(chunk * world)
+
+        def unpack() -> None:
+            for owner in range(world):
+                at = owner * chunk
+                for lo, hi in shard.ranges[owner]:
+                    full[lo:hi].copy_(out[at : at + hi - lo])
+                    at += hi - lo
+
+        return [([all_gather(out, mine, group=pg, async_op=True)], unpack)]
+
+    @staticmethod
+    def finish(started: list[Any]) -> None:
+        """Wait for what :meth:`gather_ranges` started, then run its copies."""
+        for works, _ in started:
             for work in works:
                 work.wait()
-            for flat, out in padded:
-                flat.copy_(out[: flat.numel()])
-            for shard, flat, out in spread:
-                for owner in range(world):
-                    lo, hi = shard.bounds(owner)
-                    flat[lo:hi].copy_(out[owner * shard.chunk : owner * shard.chunk + hi - lo])
+        for _, after in started:
+            if after is not None:
+                after()
+
+    def gather_slices(self, shards: Sequence[Shard]) -> None:
+        """Copy every owner's updated ranges into every rank's flat buffers."""
+        with torch.no_grad():
+            started = [part for shard in shards for part in self.gather_ranges(shard, shard.flat.detach())]
+            self.finish(started)
             for shard in shards:
-                if shard.shadow:
-                    shard.param[shard.hi - shard.lo :].zero_()  # the padding stays zero
                 torch.autograd.graph.increment_version(shard.flat)
-                shard.version = shard.flat._version
 
     def gather_value(self, shard: Shard, value: Tensor) -> Tensor:
-        """Return a new tensor of the whole flat parameter from every owner's slice-sized ``value``."""
-        world, pg = self.world, self.group
-        if shard.even and not self.by_owner:
-            out = value.new_empty(shard.chunk * world)
-            all_gather(out, value.contiguous(), group=pg)
-            return out[: shard.numel].clone()
+        """Return a new tensor of the whole flat parameter from each owner's packed ``value``."""
         full = value.new_zeros(shard.numel)
-        full[shard.lo : shard.hi].copy_(value[: shard.hi - shard.lo])
-        works = []
-        for owner in range(world):
-            lo, hi = shard.bounds(owner)
-            if hi > lo:
-                works.append(dist.broadcast(full[lo:hi], self.owners[owner], group=pg, async_op=True))
-        for work in works:
-            work.wait()
+        for (lo, hi), (a, b) in zip(shard.mine, shard.packed_ranges()):
+            full[lo:hi].copy_(value[a:b])
+        self.finish(self.gather_ranges(shard, full))
         return full
 
     def total_norm(self, local: Tensor, p: float, device: torch.device) -> Tensor:

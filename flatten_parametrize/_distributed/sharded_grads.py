@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from .sharded_member import live_core
+from .sharded_feature import live_core
 
 if TYPE_CHECKING:
     from .._core.records import Coordinator
@@ -167,13 +167,7 @@ class _Loan:
 
     def parts(self, index: int | None) -> list[Tensor]:
         """Return this rank's elements of an entry (views of the shard's gradient; none without one)."""
-        shard = self.shard
-        grad = shard.param.grad
-        if grad is None:
-            return []
-        start, stop = self.span(index)
-        lo, hi = max(start, shard.lo), min(stop, shard.hi)
-        return [grad[lo - shard.lo : hi - shard.lo]] if hi > lo else []
+        return self.shard.local(*self.span(index))
 
 
 class ShownGrads:
@@ -327,11 +321,7 @@ class TakenGrads:
         """Make each shard's gradient its part of its flat gradient (``None`` where that is ``None``)."""
         groups = live_core(self._core_ref).groups()
         for shard in self._ownership.shards:
-            grad = groups[shard.g].grads.read(shard.flat)
-            if grad is None:
-                shard.zero_grad(set_to_none=True)
-            else:
-                shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
+            shard.take(groups[shard.g].grads.read(shard.flat))
 
     def close(self) -> None:
         """Nothing is lent out: nothing to end."""

@@ -16,16 +16,16 @@ parameter (``outside_params.py``).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from .engine import current_node, graph_task_id, queue_callback
+from .._core.engine import current_node, graph_task_id, queue_callback
 from .outside_params import OutsideParams, reduce_once
 from .shard import Shard
+from .sharded_feature import live_core
 from .sharded_grads import ShownGrads
-from .sharded_member import live_core
 
 if TYPE_CHECKING:
     from .._core.grad import GroupGrad
@@ -36,8 +36,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Pending", "Reducer", "ready_hook"]
 
-#: A reduction in flight: the shard, the collectives' handles, the tensor that receives the sum.
-Pending = tuple[Shard, list[Any], Tensor]
+class Pending(NamedTuple):
+    """A reduction in flight."""
+
+    shard: Shard
+    #: The collectives' handles.
+    works: list[Any]
+    #: What gives the result once they finished (ZeRO-2: this rank's packed sum).
+    result: Callable[[], Tensor]
+    #: ZeRO-1: the flat gradient that the result is, or (in another dtype) is copied into.
+    full: Tensor | None
+    #: The gradient being reduced (alive until then).
+    sent: Tensor
 
 
 class Reducer:
@@ -119,10 +129,10 @@ class Reducer:
         grad, full = self._in_reduce_dtype(grads, grad), grad
         if self._shown is None:
             grads.assign(flat, full)
-            return (shard, *self._comm.all_reduce_mean(grad))
+            return Pending(shard, *self._comm.all_reduce_mean(grad), full, grad)
         self._shown.settle(shard, closing=True)
-        grads.release(flat)  # this rank keeps its slice only
-        return (shard, *self._comm.reduce_to_owners(shard, grad))
+        grads.release(flat)  # this rank keeps its ranges only
+        return Pending(shard, *self._comm.reduce_to_owners(shard, grad), None, grad)
 
     def _in_reduce_dtype(self, grads: GroupGrad, grad: Tensor) -> Tensor:
         """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
@@ -130,24 +140,21 @@ class Reducer:
         return grad if dtype is None or dtype == grad.dtype else grad.to(dtype)
 
     def finish(self) -> None:
-        """Wait for the reductions in flight and hand each slice its averaged gradient."""
+        """Wait for the reductions in flight and hand each shard its averaged gradient."""
         pending, self.pending = self.pending, []
         world = self._comm.world
-        for shard, works, grad in pending:
+        for shard, works, result, full, _ in pending:
             for work in works:
                 work.wait()
-            if grad.dtype != shard.flat.dtype:  # reduced in the group's reduce dtype
-                grad = grad.to(shard.flat.dtype)
-                if not self._shard_gradients and shard.flat.grad is not None:
-                    shard.flat.grad.copy_(grad)
-            if self._shown is None:
-                shard.set_grad(grad[shard.lo : shard.hi], accumulate=False)
+            grad = result()
+            if full is not None:  # ZeRO-1: the pieces view the whole averaged flat gradient
+                if grad is not full:  # reduced in the group's reduce dtype
+                    full.copy_(grad)
+                shard.take(full)
                 continue
-            if self._comm.by_owner_for(shard):
-                shard.set_grad(grad[shard.lo : shard.hi] / world, accumulate=True)
-            else:
-                shard.set_grad(grad.div_(world), accumulate=True)
-            self._shown.lend(shard)
+            shard.receive(grad.to(shard.dtype) / world, accumulate=True)
+            if self._shown is not None:
+                self._shown.lend(shard)
 
     def _backward_end(self) -> None:
         """Engine callback: start what is left, wait for every reduction."""

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 from flatten_parametrize._distributed import sharded_collectives
-from flatten_parametrize._distributed.sharded_partition import cut_whole_tensors
+from flatten_parametrize._distributed.sharded_strategies import cut_whole_tensors
 
-from _helpers import launch_gloo, launch_results, save_result
+from _helpers import assert_same_optim_state, launch_gloo, launch_results, save_result
 
 pytestmark = pytest.mark.slow
 
@@ -125,9 +125,7 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
             {
                 # ZeRO-2 shows placeholders of the sharded gradients, which hold no values
                 "leaf_grads": sum(type(p.grad) is torch.Tensor for p in model.parameters()),
-                "range_grads": sum(
-                    s.param.grad.numel() for s in opt._ownership.shards if s.param.grad is not None
-                ),
+                "range_grads": sum(s.grad.numel() for s in opt._ownership.shards if s.grad is not None),
             }
         )
         if scenario.clip:
@@ -139,7 +137,7 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
         "classes": sorted(type(o).__name__ for o in opt.local_optimizer.optimizers),
         "held": held,
         "norms": norms,
-        "ranges": [(s.lo, s.hi) for s in opt._ownership.shards],
+        "ranges": [(s.ranges, s.owned) for s in opt._ownership.shards],
         "started": started,
         "leaves": sum(p.requires_grad for p in model.parameters()),
         "padded": padded,
@@ -369,13 +367,15 @@ def test_muon_and_adamw_by_group_train_as_one_process_on_every_rank(launch, scen
 def test_each_rank_owns_whole_matrices_in_one_range_and_zero2_keeps_only_that_range(launch):
     """The ranges tile the bucket; no matrix crosses a cut; after backward ZeRO-2 holds the range only."""
     results = launch_results(launch, "zero2")
-    ranges = [r["ranges"][0] for r in results]  # of the trainable bucket (the frozen one has none)
+    every, _ = results[0]["ranges"][0]  # every rank's ranges of the trainable bucket (the frozen has none)
+    assert all(len(owner) <= 1 for owner in every)  # one range per rank
+    ranges = [owner[0] for owner in every if owner]
     assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     for result in results:
-        lo, hi = result["ranges"][0]
+        _, owned = result["ranges"][0]
         for held in result["held"]:
             assert held["leaf_grads"] == 0  # the model's full gradients were freed
-            assert held["range_grads"] == hi - lo
+            assert held["range_grads"] == owned
     if launch["world"] == 3:
         assert any("Muon" not in r["classes"] for r in results)  # a rank with no matrix still trains
 
@@ -462,16 +462,27 @@ def test_on_one_rank_whole_tensors_step_as_the_plain_optimizers(world1):
         assert torch.equal(model.get_parameter(name), value), name
 
 
-@pytest.mark.parametrize("call", ["sharded_state_dict", "load_sharded_state_dict", "add_param_group"])
-def test_what_whole_tensors_cannot_do_yet_raises_with_the_way_out(world1, call):
-    """Per-rank checkpoints of this mode and a later param group raise and say what to do instead."""
+def test_a_param_group_added_later_is_refused_with_the_way_out(world1):
+    """The flat parameters were cut for the groups given at construction."""
     model, storage = _per_tensor_gpt()
     opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
-    args = {"sharded_state_dict": (), "add_param_group": ({"params": []},)}.get(call, ({},))
-    with pytest.raises(
-        RuntimeError, match=r"whole_tensors=True\) (has no per-rank checkpoint format|cuts every)"
-    ):
-        getattr(opt, call)(*args)
+    with pytest.raises(RuntimeError, match=r"whole_tensors=True\) cuts every flat parameter at construction"):
+        opt.add_param_group({"params": []})
+
+
+def test_the_per_rank_state_dict_of_whole_tensors_round_trips(world1):
+    """sharded_state_dict() and load_sharded_state_dict() work for whole tensors too (one conversion)."""
+    model, storage = _per_tensor_gpt()
+    opt = ShardedOptimizer(storage, torch.optim.AdamW, _split(model), whole_tensors=True)
+    for step in range(2):
+        _loss(model, _batch(step, 0, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    saved, gathered = opt.sharded_state_dict(), opt.state_dict()
+    fresh_model, fresh_storage = _per_tensor_gpt()
+    fresh = ShardedOptimizer(fresh_storage, torch.optim.AdamW, _split(fresh_model), whole_tensors=True)
+    fresh.load_sharded_state_dict(saved)
+    assert_same_optim_state(fresh.state_dict(), gathered)
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -680,12 +691,15 @@ def test_params_that_are_not_tensors_or_groups_are_a_type_error(world1):
 
 def test_a_cut_tensors_state_of_another_size_is_refused():
     """Loading the part of a tensor cut between ranks needs element-wise state of the tensor's size."""
-    from flatten_parametrize._distributed.sharded_whole_state import _part
+    from flatten_parametrize._distributed.shard import Piece
+    from flatten_parametrize._distributed.sharded_state import _cut, _Mine
+    from flatten_parametrize._distributed.sharded_strategies import Entry
 
     saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(10)}
-    part = _part(saved, offset=104, numel=4, span=(100, 10, (2, 5)), what="load")
+    piece = _Mine(2, 4, Piece(3, 104, 4, (4,)), torch.zeros(4), True)
+    part = _cut(saved, piece, Entry(0, 100, 10, (2, 5)), "load")
     assert torch.equal(part["exp_avg"], torch.ones(4)) and part["step"] == 3
     with pytest.raises(
-        ValueError, match=r"state 'exp_avg' of a tensor of 12 elements cut between ranks has 10"
+        ValueError, match=r"state 'exp_avg' of parameter 2 has 10 elements, but the tensor has 12"
     ):
-        _part(saved, offset=104, numel=4, span=(100, 12, (3, 4)), what="load")
+        _cut(saved, piece, Entry(0, 100, 12, (3, 4)), "load")

@@ -409,7 +409,7 @@ MODULES, IMPORTS = imports(PACKAGE)
 
 #: The features composed on the coordinator, with the modules that only each of them uses. They reach the
 #: coordinator and each other through ``_core``'s seams only (the feature lifecycle, the flat-gradient
-#: hook, the sync claim, ``no_sync``) and share ``_distributed/engine.py``'s public helpers.
+#: hook, the sync claim, ``no_sync``) and share ``_distributed/process_group.py``'s check.
 FEATURES = {
     "grad sync": {"_distributed.grad_sync"},
     "ShardedOptimizer": {
@@ -417,10 +417,13 @@ FEATURES = {
         "_distributed.sharded_state",
         "_distributed.sharded_args",
         "_distributed.sharded_collectives",
+        "_distributed.sharded_feature",
+        "_distributed.sharded_grads",
         "_distributed.sharded_local",
-        "_distributed.sharded_member",
         "_distributed.sharded_partition",
         "_distributed.sharded_reducer",
+        "_distributed.sharded_rules",
+        "_distributed.sharded_strategies",
         "_distributed.shard",
     },
     "disk offload": {"_features.offload"},
@@ -533,22 +536,62 @@ def test_no_module_reads_private_attributes_of_the_sharded_optimizer():
     assert reads == [], f"private reads of ShardedOptimizer: {reads}"
 
 
-#: The most decision points a class of ``ShardedOptimizer``'s modules may have (each concern its own class;
-#: the one class that held them all had 120).
-MAX_BRANCH_POINTS = 40
+#: The ownership rules of ``ShardedOptimizer`` (``_distributed/sharded_strategies.py``): the one module that
+#: names them. Every other module works from what a strategy says (its groups, ranges and pieces).
+RULES = {"Slices", "WholeTensors"}
 
 
-def test_each_class_of_the_sharded_optimizer_holds_one_concern():
-    """No class in ``ShardedOptimizer``'s modules has more than ``MAX_BRANCH_POINTS`` decision points."""
-    counts = {
-        f"{name}.{node.name}": branch_points(node)
-        for name in sorted(FEATURES["ShardedOptimizer"])
-        for node in ast.parse(MODULES[name].read_text()).body
-        if isinstance(node, ast.ClassDef)
+def test_only_the_strategies_module_names_an_ownership_rule():
+    """``sharded.py`` and the shard, step, state, collective and DCP modules branch on no rule."""
+    named = sorted(
+        f"{name}: {node.id}"
+        for name, path in MODULES.items()
+        if name.startswith("_distributed.") and name != "_distributed.sharded_strategies"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Name) and node.id in RULES
+    )
+    assert named == [], f"ownership rules named outside sharded_strategies.py: {named}"
+    # the constructor's flag goes to the strategy and nowhere else
+    sharded = ast.parse(MODULES["_distributed.sharded"].read_text())
+    uses = [node for node in ast.walk(sharded) if isinstance(node, ast.Name) and node.id == "whole_tensors"]
+    assert len(uses) == 1, [node.lineno for node in uses]
+
+
+#: Each concern of ``ShardedOptimizer`` and the one module that owns it: no parallel twin per rule.
+CONCERNS = {
+    "Shard": "_distributed.shard",
+    "Partition": "_distributed.sharded_partition",
+    "LocalStep": "_distributed.sharded_local",
+    "InnerOptimizers": "_distributed.sharded_local",
+    "gathered_state_dict": "_distributed.sharded_state",
+    "load_gathered": "_distributed.sharded_state",
+    "local_state_dict": "_distributed.sharded_state",
+    "load_local_parts": "_distributed.sharded_state",
+    "state_by_name": "_distributed.dcp_sharded",
+    "state_for": "_distributed.dcp_sharded",
+    "Collectives": "_distributed.sharded_collectives",
+}
+
+
+def test_each_concern_of_the_sharded_optimizer_has_one_owner():
+    """One shard type, one local step, one state conversion, one DCP conversion for every ownership rule."""
+    defined: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                defined.setdefault(node.name, []).append(name)
+    assert {concern: defined.get(concern) for concern in CONCERNS} == {
+        concern: [module] for concern, module in CONCERNS.items()
     }
-    assert len(counts) >= 6, counts
-    over = {name: n for name, n in counts.items() if n > MAX_BRANCH_POINTS}
-    assert over == {}, f"classes over {MAX_BRANCH_POINTS} branch points: {over}"
+    twins = sorted(
+        f"{name}.{node.name}"
+        for name, path in MODULES.items()
+        if name.startswith("_distributed.")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ClassDef) and any(node.name != c and node.name.endswith(c) for c in CONCERNS)
+    )
+    assert twins == [], f"classes that twin a concern: {twins}"
+    assert not [name for name in MODULES if "whole" in name], "a module per ownership rule"
 
 
 def test_a_tensors_grad_slot_is_written_in_at_most_two_modules():

@@ -103,7 +103,7 @@ def hold(kind: str, storage: FlatStorage, tmp_path: Path) -> tuple[str, Callable
         held.clear()
         gc.collect()
 
-    return ("Member" if kind == "sharded_optimizer" else "Functional"), release
+    return ("OptimizerShards" if kind == "sharded_optimizer" else "Functional"), release
 
 
 def refusal(what: str, holder: str) -> str:

@@ -1,11 +1,4 @@
-"""What gradient sync and ``ShardedOptimizer`` both need of the autograd engine and of torch.distributed.
-
-The two features sync gradients during backward the same way (a hook per
-flat parameter, an engine callback at the end of backward) but share no
-state; the helpers they both call live here, with public names, so that
-neither imports the other. The autograd-engine helpers are ``_core/engine.py``'s,
-passed on.
-"""
+"""The process group that gradient sync and ``ShardedOptimizer`` are given, checked (both call it)."""
 
 from __future__ import annotations
 
@@ -13,9 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._core.engine import current_node, graph_task_id, queue_callback, will_execute
-
-__all__ = ["checked_process_group", "current_node", "graph_task_id", "queue_callback", "will_execute"]
+__all__ = ["checked_process_group"]
 
 
 def checked_process_group(process_group: Any, what: str) -> tuple[dist.ProcessGroup | None, int]:

@@ -1,7 +1,7 @@
 """A :class:`~flatten_parametrize.ShardedOptimizer`'s part on its storage's core, and its sync claim.
 
 The optimizer reaches its storage only through the core's seams (see
-``_core/features.py``): a :class:`Member` feature follows replaced flat
+``_core/features.py``): an :class:`OptimizerShards` feature follows replaced flat
 parameters (``on_rebacked``) and leaves with the optimizer or the storage; it
 is the flat-gradient hook of each group the optimizer slices (ZeRO-2 releases
 full gradients, so the buffers keep no memory for them); each group's sync
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._core.records import Coordinator, Group
     from .outside_params import OutsideParams
 
-__all__ = ["SYNCS", "Member", "buffers", "live_core", "refusal", "synced"]
+__all__ = ["SYNCS", "OptimizerShards", "buffers", "live_core", "refusal", "synced"]
 
 #: What a ShardedOptimizer does that nothing else may do to its flat parameters (the start of a refusal).
 SYNCS = "ShardedOptimizer syncs the gradients of the flat parameters it optimizes"
@@ -70,7 +70,7 @@ class _Closes(Protocol):
     def close(self) -> None: ...
 
 
-class Member:
+class OptimizerShards:
     """A ShardedOptimizer's part on its storage's core: a feature, and the flat-gradient hook of its groups.
 
     The core drives its lifecycle (``_core/features.py``): ``on_rebacked``

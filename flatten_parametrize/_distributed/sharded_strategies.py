@@ -1,0 +1,328 @@
+"""The ownership rules of :class:`~flatten_parametrize.ShardedOptimizer`: one strategy object per rule.
+
+A strategy decides three things, and the rest of the optimizer asks it nothing else:
+
+* its **param groups** (:meth:`Strategy.groups`): what the user's ``params`` mean, checked, each as a
+  :class:`ShardedGroup` with its optimizer class, the settings the class is constructed with, and its
+  **entries**, the tensors of the gathered state dict (the one-process optimizer's ``state_dict()``
+  over them);
+* **who owns which elements** of each flat parameter (:meth:`Strategy.ranges`), every rank's ranges;
+* this rank's **pieces** (:meth:`Strategy.pieces`): the tensors its inner optimizers step, each inside
+  one of its ranges and inside one entry.
+
+The shard (``shard.py``), the inner optimizers (``sharded_local.py``), the collectives, the gradient
+path and the state conversion (``sharded_state.py``) work from those for every rule alike.
+
+* :class:`Slices` (ZeRO-1/2): each flat parameter is its own entry, cut into ``W`` equal slices
+  (``c = ceil(n / W)`` elements; the last ones shorter or empty): rank ``r`` owns the ``r``-th and
+  steps it as one 1-D piece with an element-wise optimizer.
+* :class:`WholeTensors` (``whole_tensors=True``): each of the model's tensors is an entry; each flat
+  parameter is cut at tensor boundaries into one range per rank, balanced by elements, never through
+  a tensor whose class is not element-wise (``sharded_rules.cuttable``); the rank steps its tensors in
+  their shapes with their group's class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from .shard import Piece
+from .sharded_args import (
+    CLASS_KEY,
+    check_class,
+    items_of,
+    not_in_storage,
+    param_groups,
+)
+from .sharded_rules import (
+    check_known_settings,
+    check_slice_settings,
+    check_steps_alone,
+    construction_kwargs,
+    cuttable,
+)
+
+if TYPE_CHECKING:
+    from .._core.records import Coordinator
+
+__all__ = ["Entry", "ShardedGroup", "Slices", "Strategy", "WholeTensors", "cut_whole_tensors"]
+
+
+class Entry(NamedTuple):
+    """A tensor of the gathered state dict: where it lies in which flat parameter, and its shape."""
+
+    #: Index of its flat parameter in ``storage.flat_params``.
+    g: int
+    #: Its first element in the flat buffer.
+    offset: int
+    #: Its number of elements.
+    numel: int
+    #: Its shape.
+    shape: tuple[int, ...]
+
+
+class ShardedGroup(NamedTuple):
+    """One param group of a ``ShardedOptimizer``, checked."""
+
+    #: The group as given, with ``params`` a list of the user's tensors.
+    group: dict[str, Any]
+    #: Its optimizer class (the group's own, or the constructor's).
+    optimizer_class: type[torch.optim.Optimizer]
+    #: Its tensors in the gathered state dict, in order.
+    entries: list[Entry]
+    #: The keyword arguments its class is constructed with (``sharded_rules.construction_kwargs``).
+    init: dict[str, Any]
+    #: Whether its class's math is element-wise (its tensors may be cut; its state is per element).
+    elementwise: bool
+
+
+class Strategy(Protocol):
+    """An ownership rule of ``ShardedOptimizer``."""
+
+    #: What a refusal calls it (``"ShardedOptimizer(whole_tensors=True)"``).
+    name: str
+
+    def groups(
+        self,
+        storage: Coordinator,
+        params: Any,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        allow_unlisted: bool,
+        taken: Sequence[Tensor] = (),
+    ) -> list[ShardedGroup]:
+        """Return ``params`` as checked groups (``taken``: tensors already optimized)."""
+        ...
+
+    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
+        """Return each rank's element ranges of flat parameter ``g`` of ``numel`` elements."""
+        ...
+
+    def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
+        """Return the pieces of flat parameter ``g`` inside this rank's ranges ``mine``."""
+        ...
+
+    def check_add_group(self) -> None:
+        """Raise if a param group cannot be added after construction."""
+        ...
+
+
+def _entries_of_flats(storage: Coordinator, flats: Iterable[Tensor]) -> list[Entry]:
+    index = {id(f): g for g, f in enumerate(storage.flat_params)}
+    return [Entry(index[id(f)], 0, f.numel(), (f.numel(),)) for f in flats]
+
+
+class Slices:
+    """ZeRO-1/2: every flat parameter is cut into equal slices, one per rank, stepped element-wise."""
+
+    name = "ShardedOptimizer"
+
+    def groups(
+        self,
+        storage: Coordinator,
+        params: Any,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        allow_unlisted: bool,
+        taken: Sequence[Tensor] = (),
+    ) -> list[ShardedGroup]:
+        """Return groups over flat parameters: each is one entry; one class, constructed with the kwargs."""
+        check_class(optimizer_class, allow_unlisted)
+        groups = param_groups(storage, params, taken)
+        check_slice_settings(optimizer_class, optimizer_kwargs, groups)
+        kwargs = dict(optimizer_kwargs)
+        return [
+            ShardedGroup(group, optimizer_class, _entries_of_flats(storage, group["params"]), kwargs, True)
+            for group in groups
+        ]
+
+    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
+        """Return each rank ``r``'s slice ``[r c, (r + 1) c)``, ``c = ceil(numel / world)`` (clipped)."""
+        chunk = -(-numel // world)
+        return [[(min(r * chunk, numel), min((r + 1) * chunk, numel))] for r in range(world)]
+
+    def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
+        """Return this rank's slice as one 1-D piece (empty past the end)."""
+        ((lo, hi),) = mine if mine else ((0, 0),)
+        return [Piece(0, lo, hi - lo, (hi - lo,))]
+
+    def check_add_group(self) -> None:
+        """A group can be added: its flat parameters are cut as they come."""
+
+
+class WholeTensors:
+    """``whole_tensors=True``: each rank owns whole tensors of every flat parameter, one range per rank.
+
+    Args:
+        storage: the storage's core (its layouts).
+    """
+
+    name = "ShardedOptimizer(whole_tensors=True)"
+
+    def __init__(self, storage: Coordinator) -> None:
+        self._layouts = [group.layout for group in storage.groups()]
+        #: ``(g, member index)`` -> whether its class needs it whole (filled by :meth:`groups`).
+        self._atomic: dict[tuple[int, int], bool] = {}
+
+    def groups(
+        self,
+        storage: Coordinator,
+        params: Any,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        allow_unlisted: bool,
+        taken: Sequence[Tensor] = (),
+    ) -> list[ShardedGroup]:
+        """Return groups over the storage's tensors, each with its class and the settings it is built with.
+
+        A group's ``params`` may hold flat parameters (all of their tensors) and, in per-tensor mode,
+        the model's parameters (each one tensor). A group may name its own optimizer class under
+        ``"optimizer_class"``; each group's class is checked by the rules of ``sharded_rules.py``.
+
+        Raises:
+            TypeError: if ``params`` is not an iterable of tensors or of param-group dicts.
+            ValueError: if a tensor is not one of the storage's, or is listed twice, or a group's
+                class cannot step a rank's tensors alone.
+        """
+        check_class(optimizer_class, allow_unlisted, whole_tensors=True)
+        flats = storage.flat_params
+        example = "[{'params': mats, 'optimizer_class': torch.optim.Muon}]"
+        items = items_of(flats, params, "tensors", example)
+        slots = {
+            id(slot.param): (g, slot.index)
+            for g, group in enumerate(storage.groups())
+            for slot in group.members
+        }
+        sizes = [len(group.members) for group in storage.groups()]
+        seen: dict[tuple[int, int], int] = {}
+        out = []
+        for i, item in enumerate(items):
+            cls = item.get(CLASS_KEY, optimizer_class)
+            check_class(cls, allow_unlisted, whole_tensors=True)
+            tensors = item["params"]
+            tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+            members: list[tuple[int, int]] = []
+            for p in tensors:
+                g = next((g for g, f in enumerate(flats) if f is p), None)
+                if g is not None:
+                    found = [(g, index) for index in range(sizes[g])]
+                elif id(p) in slots:
+                    found = [slots[id(p)]]
+                else:
+                    raise not_in_storage(storage, p, i)
+                for member in found:
+                    if member in seen:
+                        info = storage.groups()[member[0]].members[member[1]]
+                        raise ValueError(
+                            f"ShardedOptimizer: {info.name} appears in param groups {seen[member]} and {i}; "
+                            "list each parameter once"
+                        )
+                    seen[member] = i
+                members += found
+            group = {k: v for k, v in item.items() if k != CLASS_KEY}
+            init = construction_kwargs(cls, optimizer_kwargs if cls is optimizer_class else {}, group)
+            check_known_settings(cls([torch.zeros(2, 2, requires_grad=True)], **init))
+            check_steps_alone(cls, init, [tuple(t.shape) for t in tensors])
+            self._atomic.update(dict.fromkeys(members, not cuttable(cls)))
+            entries = [self._entry(g, index) for g, index in members]
+            out.append(ShardedGroup({**group, "params": tensors}, cls, entries, init, cuttable(cls)))
+        return out
+
+    def _entry(self, g: int, index: int) -> Entry:
+        layout = self._layouts[g]
+        return Entry(g, layout.offsets[index], layout.numels[index], tuple(layout.shapes[index]))
+
+    def _members(self, g: int) -> list[tuple[int, int, int, tuple[int, ...], bool]]:
+        layout = self._layouts[g]
+        return [
+            (
+                index,
+                layout.offsets[index],
+                layout.numels[index],
+                tuple(layout.shapes[index]),
+                self._atomic.get((g, index), False),
+            )
+            for index in range(len(layout.numels))
+        ]
+
+    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
+        """Return each rank's range, cut at whole tensors (:func:`cut_whole_tensors`)."""
+        cuts = cut_whole_tensors(numel, self._members(g), world)
+        return [[(cuts[r], cuts[r + 1])] for r in range(world)]
+
+    def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
+        """Return each tensor (or part of an element-wise one) inside this rank's ranges, in its shape."""
+        out = []
+        for lo, hi in mine:
+            for index, offset, numel, shape, _ in self._members(g):
+                start, stop = max(offset, lo), min(offset + numel, hi)
+                if stop > start:
+                    whole = start == offset and stop == offset + numel
+                    out.append(Piece(index, start, stop - start, shape if whole else (stop - start,)))
+        return out
+
+    def check_add_group(self) -> None:
+        """Refuse: the flat parameters were cut for the groups given at construction."""
+        raise RuntimeError(
+            "ShardedOptimizer(whole_tensors=True) cuts every flat parameter at construction, so it cannot "
+            "add a param group later; build it with every param group"
+        )
+
+
+def cut_whole_tensors(
+    numel: int, members: Sequence[tuple[int, int, int, tuple[int, ...], bool]], world: int
+) -> list[int]:
+    """Return the ``world + 1`` boundaries of the ranks' ranges of a flat buffer of ``numel`` elements.
+
+    Rank ``r`` gets ``[cuts[r], cuts[r + 1])``. Each boundary is the even cut
+    ``round(numel * r / world)``, moved to the nearer end of an atomic member
+    that it would split (never before the previous boundary): each rank's
+    range differs from ``numel / world`` by at most half the largest atomic
+    member, and a member that may be split (element-wise math) keeps the even
+    cut.
+
+    Args:
+        numel: the flat buffer's size, padding included.
+        members: its members ``(index, offset, numel, shape, atomic)``, in any order.
+        world: the number of ranks.
+
+    Returns:
+        The boundaries, from 0 to ``numel``, non-decreasing.
+
+    Example:
+        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), True), (1, 6, 4, (4,), False)], 2)
+        [0, 6, 10]
+        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), False), (1, 6, 4, (4,), False)], 2)
+        [0, 5, 10]
+    """
+    atomic = sorted((offset, offset + n) for _, offset, n, _, whole in members if whole and n > 1)
+    cuts = [0]
+    for r in range(1, world):
+        cut = (numel * r + world // 2) // world
+        for start, stop in atomic:
+            if start < cut < stop:
+                cut = start if cut - start <= stop - cut else stop
+                break
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append(numel)
+    return cuts
+
+
+def strategy_for(storage: Coordinator, whole_tensors: bool) -> Strategy:
+    """Return the ownership rule: :class:`WholeTensors` or :class:`Slices`."""
+    return WholeTensors(storage) if whole_tensors else Slices()
+
+
+def check_entries(groups: Sequence[Mapping[str, Any]], ours: Sequence[ShardedGroup], what: str) -> None:
+    """Refuse a state dict whose param groups do not hold as many tensors as ours."""
+    sizes = [len(group.entries) for group in ours]
+    saved = [len(g["params"]) for g in groups]
+    if saved != sizes:
+        raise ValueError(
+            f"ShardedOptimizer.{what}: the state dict's param groups hold {saved} tensors, this optimizer's "
+            f"hold {sizes}; load a state dict saved for the same param groups"
+        )
