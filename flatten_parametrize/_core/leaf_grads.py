@@ -222,6 +222,8 @@ class LeafGrads:
                 if fresh or position not in pending:  # a slot that backward filled keeps its gradient
                     zeros.append(region)
                 continue
+            if grad.shape != region.shape:  # the leaf got another shape (`.data = t`): the storage's next
+                continue  # sync point lays the groups out again, with this gradient in the leaf's new slot
             if not fresh and _same_elements(grad, region):  # a view of the slot made elsewhere (mode switch)
                 moved.append((leaf, region))
                 continue

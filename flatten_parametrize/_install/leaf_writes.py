@@ -25,10 +25,12 @@ model.
 
 The sync points: every call on the ``FlatStorage`` that works on the buffers
 (``_storage.py``), the user's ``flatten()`` (:func:`flatten_relaid`, for what it
-cannot land itself), and the registered module's forward while a feature works on the flat buffers during
+cannot land itself), the registered module's forward while a feature works on the flat buffers during
 training (gradient sync, a ``ShardedOptimizer``, mixed precision's compute
 copies: ``per_tensor.py``), so that no parameter that trains is skipped by
-gradient sync. A forward run by ``torch.func.functional_call`` is no sync point: the
+gradient sync, and the step of an optimizer over ``flat_params`` (a global step
+pre-hook, :func:`_before_step`), so that it steps the parameters the model has.
+A forward run by ``torch.func.functional_call`` is no sync point: the
 tensors in the parameters' places are that call's, put back when it returns
 (nothing lands; the model and the storage stay as they were). A layout held by
 a feature (``_core/features.py``) cannot follow: that is refused with the holder
@@ -47,11 +49,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from .._core.features import layout_holders, refuse_held_layout
 from .._core.fit import misfit
+from .._core.leaves import EPOCH
 from .._core.names import dtype_name, registered_storage
 from .._core.records import Coordinator
+from .._state import relaid_optim
 from . import surgery
 
 __all__ = ["LeafWatch", "flatten_relaid", "settle", "use_relayout"]
@@ -68,7 +74,7 @@ def use_relayout(relayout_flat: Callable[[Any, str], None]) -> None:
 
 @dataclass(frozen=True)
 class _Name:
-    """One name of a slot: where it lives, the leaf it must hold, and the leaf's data pointer then."""
+    """One name of a slot: where it lives, the leaf it must hold, and that leaf's memory, dtype and shape."""
 
     qualified: str
     owner: weakref.ref[nn.Module]
@@ -76,6 +82,7 @@ class _Name:
     leaf: Tensor
     ptr: int
     dtype: torch.dtype
+    shape: torch.Size
     tied: bool  # the slot has other names
 
 
@@ -94,6 +101,7 @@ class LeafWatch:
     __slots__ = ("_edges", "_names", "_quick")
 
     def __init__(self, storage: Coordinator) -> None:
+        _watch_steps(storage)
         modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
         self._names: list[_Name] = []
         edges: dict[tuple[int, str], tuple[str, weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
@@ -109,6 +117,7 @@ class LeafWatch:
                         slot.param,
                         _ptr(slot.param),
                         slot.param.dtype,
+                        slot.param.shape,
                         len(names) > 1,
                     )
                 )
@@ -120,19 +129,31 @@ class LeafWatch:
                     edges[key] = (path, weakref.ref(parent), weakref.ref(modules[path]))
         self._edges = list(edges.items())
         #: What :meth:`_unchanged` compares at each sync point: per name ``(owner, its parameter dict,
-        #: attribute, leaf, data pointer, dtype)``, per module edge ``(parent, its module dict, key, child)``.
+        #: attribute, leaf, data pointer, dtype, shape)``, per module edge ``(parent, its module dict, key,
+        #: child)``.
         kept = self._names
         self._quick = (
-            tuple((n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype) for n in kept),
+            tuple(
+                (n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype, n.shape)
+                for n in kept
+            ),
             tuple((p, _dict(p, "_modules"), key, c) for (_, key), (_, p, c) in self._edges),
         )
 
     def _unchanged(self) -> bool:
-        """Return whether every name holds its leaf, with its memory, under the same modules (fast)."""
+        """Return whether every name holds its leaf, with its memory and shape, under the same modules (fast).
+
+        The shape is compared too: ``.data = w.data[:8]`` keeps the data pointer.
+        """
         names, edges = self._quick
         try:
-            for owner, params, attr, leaf, ptr, dtype in names:
-                if params.get(attr) is not leaf or leaf.data_ptr() != ptr or leaf.dtype is not dtype:
+            for owner, params, attr, leaf, ptr, dtype, shape in names:
+                if (
+                    params.get(attr) is not leaf
+                    or leaf.data_ptr() != ptr
+                    or leaf.dtype is not dtype
+                    or leaf.shape != shape
+                ):
                     return False
                 if _dict(owner, "_parameters") is not params:
                     return False
@@ -178,6 +199,11 @@ def _change(name: _Name, current: Any) -> tuple[str, str] | None:
     if current is name.leaf:
         if current.dtype != name.dtype:
             return REHOSTS, f"{name.qualified} was converted to {dtype_name(current.dtype)}"
+        if current.shape != name.shape:
+            return RELAYS, (
+                f"{name.qualified} was given a tensor of shape {tuple(current.shape)} through `.data` (its "
+                f"slot holds {tuple(name.shape)})"
+            )
         return (
             None
             if _ptr(current) == name.ptr
@@ -278,6 +304,56 @@ def _in_functional_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+#: Every storage that entered per-tensor mode (held weakly), for :func:`_before_step`.
+_PER_TENSOR: weakref.WeakSet[Any] = weakref.WeakSet()
+#: ``id(optimizer) -> ((number of param groups, EPOCH), the storages whose flat parameters it steps)``,
+#: looked up again after a registration, a mode change or a layout change (entries leave with it).
+_STEPPED: dict[int, tuple[tuple[int, int], list[weakref.ref[Any]]]] = {}
+_STEP_HOOK: list[RemovableHandle] = []
+
+
+def _watch_steps(storage: Coordinator) -> None:
+    """Make an optimizer step over ``storage``'s flat parameters a sync point (the hook: once)."""
+    _PER_TENSOR.add(storage)
+    if not _STEP_HOOK:
+        relaid_optim.install()  # torch runs the global pre-hooks from their dict: none may come during ours
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: land outside changes of the storages whose flat parameters it steps.
+
+    An optimizer over ``storage.flat_params`` in per-tensor mode, stepped after outside code changed
+    the model and with no call on the storage since (a parameter replaced or given another shape
+    through ``.data``, the forward no sync point), would step the old layout: the new parameter's
+    gradient is not in the flat gradient and it would not train. The groups are laid out again
+    first and the optimizer's state follows its slots (``relaid_optim``). After the first step of
+    each optimizer it costs a dict lookup, and one :meth:`LeafWatch.changed` per such storage.
+    """
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return
+    key = (len(groups), EPOCH[0])
+    found = _STEPPED.get(id(optimizer))
+    if found is None or found[0] != key:
+        if found is None:
+            weakref.finalize(optimizer, _STEPPED.pop, id(optimizer), None)
+        ids = {id(p) for group in groups for p in group.get("params", ())}
+        stepped = [
+            weakref.ref(core)
+            for core in list(_PER_TENSOR)
+            if core.is_attached and any(id(group.flat) in ids for group in core.groups())
+        ]
+        found = _STEPPED[id(optimizer)] = (key, stepped)
+    relaid = False
+    for ref in found[1]:
+        core = ref()
+        if core is not None and settle(core) is not core:
+            relaid = True
+    if relaid:
+        relaid_optim.follow(optimizer)
 
 
 def flatten_relaid(core: Any) -> bool:

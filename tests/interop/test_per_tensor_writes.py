@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import twin
+from _helpers import cast_per_forward, twin
 
 
 class _GPTish(nn.Module):
@@ -415,3 +415,126 @@ def test_a_deleted_submodule_leaves_the_storage_while_a_module_below_it_lives_on
     assert names == {name for name, _ in model.named_parameters()}
     assert names == {"head.weight", "head.bias"}
     assert kept.weight.shape == (4, 4)  # the module below lives on, outside the model
+
+
+class _Head(nn.Module):
+    """A body and a head without bias, as in the issue: the head's weight is given another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 24)
+        self.head = nn.Linear(24, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+#: ``.data`` writes of another shape: other memory (the issue's), the same memory cropped (same pointer).
+SHAPE_WRITES: dict[str, Callable[[nn.Parameter], torch.Tensor]] = {
+    "other memory": lambda w: torch.randn(6, 24, generator=torch.Generator().manual_seed(5)),
+    "same memory cropped": lambda w: w.data[:2],
+}
+
+
+@pytest.mark.parametrize("over", ["parameters", "flat_params"])
+@pytest.mark.parametrize("write", list(SHAPE_WRITES))
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_a_leaf_given_another_shape_through_data_trains_as_the_plain_model(policy, write, over):
+    """``layer.weight.data = t`` of another shape in per-tensor mode: the plain training; the features agree.
+
+    It failed at the next step with torch's "The size of tensor a (4) must match the size of tensor b
+    (6)" (the leaf kept its slot, of the old shape), under a policy with "cannot flatten: head.weight
+    has shape (6, 24)". Now the next sync point (a forward under the policy, the step of an optimizer
+    over ``flat_params``, any call on the storage) lays the groups out again with the leaf's new shape.
+    """
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    plain = _Head()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    storage.unflatten()
+    reference = cast_per_forward(plain) if policy else plain
+    opt = torch.optim.Adam(storage.flat_params if over == "flat_params" else model.parameters(), lr=0.1)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    for m in (plain, model):
+        m.head.weight.data = SHAPE_WRITES[write](m.head.weight)
+    for step in range(3):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for forward, o in ((model, opt), (reference, plain_opt)):
+            o.zero_grad()
+            forward(x).float().pow(2).mean().backward()
+            o.step()
+    rows = plain.head.weight.shape[0]
+    assert model.head.weight.shape == dict(storage.named_views())["head.weight"].shape == (rows, 24)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    grads = dict(storage.named_grads())
+    assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters())
+    norm = torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    assert storage.flat_state_dict()["flat_param_0"].numel() == sum(p.numel() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("write", ["setattr", "register_parameter", "_parameters", "data"])
+def test_an_optimizer_over_flat_params_steps_a_parameter_replaced_since_with_no_call_on_the_storage(write):
+    """The step of an optimizer over ``flat_params`` lays the groups out again first: the new wpe trains.
+
+    Without a feature that makes the forward a sync point, nothing called the storage between the
+    crop and the step: the optimizer stepped the old layout, and the cropped wpe did not train (no
+    word). The plain twin's optimizer holds the new parameter with fresh momentum, as a slot that
+    changed shape gets; every other parameter keeps its momentum in both.
+    """
+    plain, model, storage = _pair()
+    opt = torch.optim.SGD(storage.flat_params, lr=0.1, momentum=0.9)  # a new slot's momentum: zeros
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            for m in (plain, model):
+                cropped = nn.Parameter(m.wpe.weight.detach()[:8].clone())
+                if write == "setattr":
+                    m.wpe.weight = cropped
+                elif write == "register_parameter":
+                    m.wpe.register_parameter("weight", cropped)
+                elif write == "_parameters":
+                    m.wpe._parameters["weight"] = cropped
+                else:
+                    m.wpe.weight.data = cropped.data
+            old = ref.param_groups[0]["params"][1]
+            ref.state.pop(old)
+            ref.param_groups[0]["params"][1] = plain.wpe.weight  # the plain optimizer over the new parameter
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            _loss(m, _tokens(step, 8)).backward()
+            o.step()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("write", ["setattr", "register_parameter", "_parameters", "data"])
+def test_groups_laid_out_again_at_the_forward_keep_the_policys_input_and_output_casts(write):
+    """A change landed by the forward's sync point: the input cast (args and kwargs) and output cast hold.
+
+    The forward's pre-hook laid the groups out again and the feature that took over re-registered the
+    input-cast hook, which torch then called without its kwargs: "_cast_inputs() missing 1 required
+    positional argument: 'kwargs'" (torchao's ``quantize_`` in per-tensor mode met it too).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    plain = _Head()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=policy)
+    storage.unflatten()
+    new = torch.randn(6, 24, generator=torch.Generator().manual_seed(5))
+    for m in (plain, model):
+        if write == "setattr":
+            m.head.weight = nn.Parameter(new.clone())
+        elif write == "register_parameter":
+            m.head.register_parameter("weight", nn.Parameter(new.clone()))
+        elif write == "_parameters":
+            m.head._parameters["weight"] = nn.Parameter(new.clone())
+        else:
+            m.head.weight.data = new.clone()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    out = model(x=x)  # the first sync point since the change, with the input as a keyword
+    assert out.dtype == torch.float32 and torch.equal(out, cast_per_forward(plain)(x).float())
+    assert dict(storage.named_views())["head.weight"].shape == (6, 24)
