@@ -54,13 +54,14 @@ from torch.utils.hooks import RemovableHandle
 
 from .._core.features import layout_holders, refuse_held_layout
 from .._core.fit import misfit
+from .._core.grad import set_grad
 from .._core.leaves import EPOCH
 from .._core.names import dtype_name, registered_storage
 from .._core.records import Coordinator
 from .._state import relaid_optim
 from . import surgery
 
-__all__ = ["LeafWatch", "flatten_relaid", "settle", "use_relayout"]
+__all__ = ["LeafWatch", "flatten_relaid", "keep_leaf_state", "settle", "use_relayout"]
 
 #: ``relayout.relayout_flat``, handed down by ``injected.assemble`` (relayout.py imports the
 #: coordinator, which imports this module).
@@ -83,12 +84,15 @@ class _Name:
     ptr: int
     dtype: torch.dtype
     shape: torch.Size
+    trains: bool  # its requires_grad
     tied: bool  # the slot has other names
 
 
 #: What :meth:`LeafWatch.changed` found: ``flatten()`` lands these itself (values copied into the slot;
-#: module swaps and misfits laid out again by ``rehost.py``), but not the others.
-LANDS, REHOSTS, RELAYS = "lands", "rehosts", "relays"
+#: module swaps and misfits laid out again by ``rehost.py``), but not the others. :data:`TRAINS`: only
+#: ``requires_grad`` changed (the groups are laid out again where a group's flag must follow).
+TRAINS, LANDS, REHOSTS, RELAYS = "trains", "lands", "rehosts", "relays"
+_RANK = {TRAINS: 0, LANDS: 1, REHOSTS: 2, RELAYS: 3}
 
 
 class LeafWatch:
@@ -118,6 +122,7 @@ class LeafWatch:
                         _ptr(slot.param),
                         slot.param.dtype,
                         slot.param.shape,
+                        slot.param.requires_grad,
                         len(names) > 1,
                     )
                 )
@@ -129,30 +134,31 @@ class LeafWatch:
                     edges[key] = (path, weakref.ref(parent), weakref.ref(modules[path]))
         self._edges = list(edges.items())
         #: What :meth:`_unchanged` compares at each sync point: per name ``(owner, its parameter dict,
-        #: attribute, leaf, data pointer, dtype, shape)``, per module edge ``(parent, its module dict, key,
-        #: child)``.
+        #: attribute, leaf, data pointer, dtype, shape, requires_grad)``, per module edge ``(parent, its
+        #: module dict, key, child)``.
         kept = self._names
         self._quick = (
             tuple(
-                (n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype, n.shape)
+                (n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype, n.shape, n.trains)
                 for n in kept
             ),
             tuple((p, _dict(p, "_modules"), key, c) for (_, key), (_, p, c) in self._edges),
         )
 
     def _unchanged(self) -> bool:
-        """Return whether every name holds its leaf, with its memory and shape, under the same modules (fast).
+        """Return whether every name holds its leaf, with its memory, shape and flag, under the same modules.
 
         The shape is compared too: ``.data = w.data[:8]`` keeps the data pointer.
         """
         names, edges = self._quick
         try:
-            for owner, params, attr, leaf, ptr, dtype, shape in names:
+            for owner, params, attr, leaf, ptr, dtype, shape, trains in names:
                 if (
                     params.get(attr) is not leaf
                     or leaf.data_ptr() != ptr
                     or leaf.dtype is not dtype
                     or leaf.shape != shape
+                    or leaf.requires_grad is not trains
                 ):
                     return False
                 if _dict(owner, "_parameters") is not params:
@@ -171,7 +177,9 @@ class LeafWatch:
         The kind is :data:`RELAYS` when only laying the groups out again can
         take it (another shape, a name set to ``None`` or deleted, a tie
         broken), :data:`REHOSTS` for a submodule replaced or a tensor that cannot
-        live in a flat buffer, :data:`LANDS` for values that fit the slot.
+        live in a flat buffer, :data:`LANDS` for values that fit the slot,
+        :data:`TRAINS` for a leaf's ``requires_grad`` alone; the first of the
+        highest kind.
         """
         if self._unchanged():
             return None
@@ -187,7 +195,7 @@ class LeafWatch:
                 continue  # its module is gone: an edge above says so
             current = owner._parameters.get(name.attr, _MISSING)
             change = _change(name, current)
-            if change is not None and (found is None or change[0] == RELAYS):
+            if change is not None and (found is None or _RANK[change[0]] > _RANK[found[0]]):
                 found = change
                 if found[0] == RELAYS:
                     break
@@ -204,11 +212,11 @@ def _change(name: _Name, current: Any) -> tuple[str, str] | None:
                 f"{name.qualified} was given a tensor of shape {tuple(current.shape)} through `.data` (its "
                 f"slot holds {tuple(name.shape)})"
             )
-        return (
-            None
-            if _ptr(current) == name.ptr
-            else (LANDS, f"{name.qualified} was given other memory (`.data = t`)")
-        )
+        if _ptr(current) != name.ptr:
+            return LANDS, f"{name.qualified} was given other memory (`.data = t`)"
+        if current.requires_grad != name.trains:
+            return TRAINS, f"{name.qualified} was set to requires_grad={current.requires_grad}"
+        return None
     if current is _MISSING or current is None:
         return RELAYS, f"{name.qualified} was deleted or set to None"
     if not isinstance(current, Tensor):
@@ -264,6 +272,9 @@ def settle(core: Any, what: str | None = None) -> Any:
         return core
     if what is None and _in_functional_call():  # its substitutes, for the length of that call only
         return core
+    if found[0] == TRAINS and _flags_follow(core):  # nothing to lay out: the watch takes the new flags
+        core.per_tensor.watch = LeafWatch(core)
+        return core
     change = found[1]
     holders = layout_holders(core)
     if holders and what is not None:
@@ -277,6 +288,7 @@ def settle(core: Any, what: str | None = None) -> Any:
             f"({'; '.join(fix for _, fix in sorted(holders.items()))}): the next call on the storage "
             "lays the groups out again; or undo the change on the model"
         )
+    leaf_state = keep_leaf_state(core.module_unchecked)
     core.per_tensor.settling = True
     try:
         _RELAYOUT[0](core, what or f"per-tensor mode ({change})")
@@ -287,7 +299,43 @@ def settle(core: Any, what: str | None = None) -> Any:
         return core  # every weight left: the storage was removed
     if what != "flatten()":
         new.unflatten()
+        leaf_state()
     return new
+
+
+def _flags_follow(core: Any) -> bool:
+    """Return whether each group's flat parameter requires grad exactly when one of its leaves does.
+
+    In per-tensor mode each leaf has its own ``requires_grad``, as on the plain model (a frozen
+    submodule; every weight trained after peft's ``merge_and_unload`` left only the frozen base
+    group). A group trains while any of its leaves does: its flat parameter must then require grad,
+    so that its gradient hooks (gradient sync, ``ShardedOptimizer``, the leaves' landing) run.
+    """
+    return all(
+        group.flat.requires_grad == any(slot.param.requires_grad for slot in group.members)
+        for group in core.groups()
+    )
+
+
+def keep_leaf_state(module: nn.Module) -> Callable[[], None]:
+    """Note each parameter's ``requires_grad`` and whether it has a gradient; return what puts them back.
+
+    Laying the groups out again in per-tensor mode passes through flat mode, which has one flag per
+    group (a group's flat parameter requires grad while any of its leaves does,
+    ``relayout._register_again``) and one gradient (zeros where a leaf had none), and back: this
+    gives each leaf its own flag again, and ``None`` where it had no gradient (an optimizer skips
+    it, as on the plain model, instead of stepping zeros).
+    """
+    state = [(param, param.requires_grad, param.grad is None) for param in module.parameters()]
+
+    def put_back() -> None:
+        for param, flag, no_grad in state:
+            if param.requires_grad != flag and param.is_leaf:
+                param.requires_grad_(flag)
+            if no_grad and param.grad is not None:
+                set_grad(param, None)
+
+    return put_back
 
 
 #: The code of ``torch.func.functional_call``'s body (``torch.nn.utils.stateless``): a forward run inside it

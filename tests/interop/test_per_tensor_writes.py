@@ -538,3 +538,86 @@ def test_groups_laid_out_again_at_the_forward_keep_the_policys_input_and_output_
     out = model(x=x)  # the first sync point since the change, with the input as a keyword
     assert out.dtype == torch.float32 and torch.equal(out, cast_per_forward(plain)(x).float())
     assert dict(storage.named_views())["head.weight"].shape == (6, 24)
+
+
+def _frozen_pair(policy: str | None, grad_sync: bool = False) -> tuple[_GPTish, _GPTish, Any]:
+    """The model with ``fc`` frozen before registering (a group of its own) and its twin; per-tensor mode."""
+    plain = _GPTish()
+    plain.fc.requires_grad_(False)
+    model = twin(plain)
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    if grad_sync:
+        storage.enable_grad_sync()
+    storage.unflatten()
+    return plain, model, storage
+
+
+def _train_both(model: nn.Module, plain: nn.Module, policy: str | None, steps: int = 3) -> None:
+    reference = cast_per_forward(plain) if policy else plain
+    params = [[p for p in m.parameters() if p.requires_grad] for m in (model, plain)]
+    opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in params]
+    for step in range(steps):
+        for forward, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            forward(_tokens(step)).float().pow(2).mean().backward()
+            opt.step()
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("grad_sync", [False, True])
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_requires_grad_set_on_leaves_in_per_tensor_mode_trains_as_the_plain_model(policy, grad_sync):
+    """Each leaf's own flag counts, as on the plain model: a submodule frozen, one of a frozen group unfrozen.
+
+    Under a policy a frozen leaf failed the backward with an ``AssertionError`` (its compute view was an
+    output of the group's node) and an unfrozen leaf of a frozen group got no gradient with no word
+    (its group's views were served without a graph). With grad sync, the unfrozen group's gradient
+    was never reduced: its flat parameter did not require grad, so nothing hooked it.
+    """
+    plain, model, storage = _frozen_pair(policy, grad_sync)
+    reduced: list[int] = []
+    for m in (plain, model):
+        m.fc.requires_grad_(True)  # the frozen group trains again
+        m.wpe.requires_grad_(False)  # a submodule of the other group is frozen
+    if grad_sync:
+        model(_tokens())  # the sync point lays the groups out as the flags now say
+        frozen_group = storage.flat_params[1]
+        assert frozen_group.requires_grad
+        frozen_group.register_post_accumulate_grad_hook(lambda p: reduced.append(p.grad.numel()))
+    _train_both(model, plain, policy)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == [
+        (n, p.requires_grad) for n, p in plain.named_parameters()
+    ]
+    grads = dict(storage.named_grads())
+    assert grads["wpe.weight"] is None and torch.equal(grads["fc.weight"], plain.fc.weight.grad)
+    assert reduced == ([plain.fc.weight.numel() + plain.fc.bias.numel()] * 3 if grad_sync else [])
+
+
+@pytest.mark.parametrize("then", ["a layout change", "remove_flat_storage"])
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_a_layout_change_and_removal_keep_each_leafs_requires_grad(policy, then):
+    """A crop laid out again, or the storage removed, in per-tensor mode: frozen leaves stay frozen.
+
+    Both gave every leaf its group's flag: a submodule frozen in per-tensor mode trained again with no
+    word, and the leaves unfrozen in a frozen group stopped training.
+    """
+    plain, model, storage = _frozen_pair(policy)
+    for m in (plain, model):
+        m.fc.weight.requires_grad_(True)
+        m.wpe.requires_grad_(False)
+    if then == "a layout change":
+        for m in (plain, model):
+            crop_block_size(m, 8)
+            m.wpe.weight.requires_grad_(False)
+        assert dict(storage.named_views())["wpe.weight"].shape == (8, 4)
+    else:
+        remove_flat_storage(model)
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == [
+        (n, p.requires_grad) for n, p in plain.named_parameters()
+    ]
+    _train_both(model, plain, policy if then != "remove_flat_storage" else None)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
