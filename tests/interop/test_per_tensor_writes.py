@@ -621,3 +621,74 @@ def test_a_layout_change_and_removal_keep_each_leafs_requires_grad(policy, then)
     _train_both(model, plain, policy if then != "remove_flat_storage" else None)
     for name, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def _write_head(m: _Head, how: str) -> None:
+    """One write path of SPEC "Outside code touching the model" on the head, in the plain model's way.
+
+    ``same``: a weight of the slot's shape; ``other`` and ``crop``: 3 rows instead of 4 (no bias).
+    """
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(4 if how.endswith("same") else 3, 24, generator=g)
+    if how.startswith("setattr"):
+        m.head.weight = nn.Parameter(weight)
+    elif how.startswith("register_parameter"):
+        m.head.register_parameter("weight", nn.Parameter(weight))
+    elif how.startswith("_parameters"):
+        m.head._parameters["weight"] = nn.Parameter(weight)
+    elif how.startswith("data"):
+        m.head.weight.data = weight if how != "data crop" else m.head.weight.data[:3]
+    elif how == "load_state_dict(assign=True)":
+        state = {k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()}
+        m.load_state_dict(state, assign=True)
+    elif how == "vector_to_parameters":
+        n = sum(p.numel() for p in m.parameters())
+        torch.nn.utils.vector_to_parameters(torch.randn(n, generator=g), m.parameters())
+    elif how == "requires_grad_(False)":
+        m.body.requires_grad_(False)
+
+
+HEAD_WRITES = [
+    "setattr same",
+    "setattr other",
+    "register_parameter other",
+    "_parameters same",
+    "_parameters other",
+    "data same",
+    "data other",
+    "data crop",
+    "load_state_dict(assign=True)",
+    "vector_to_parameters",
+    "requires_grad_(False)",
+]
+
+
+@pytest.mark.parametrize("how", HEAD_WRITES)
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_every_write_path_in_per_tensor_mode_trains_as_the_plain_model_with_or_without_a_policy(policy, how):
+    """Each write path, then training: the plain model's values; a clip over flat_params gives its norm."""
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    plain = _Head()
+    plain.head = nn.Linear(24, 4, bias=False) if how.endswith("other") or how == "data crop" else plain.head
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    storage.unflatten()
+    for m in (plain, model):
+        _write_head(m, how)
+    reference = cast_per_forward(plain) if policy else plain
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, plain)]
+    opts = [torch.optim.SGD(params, lr=0.1, momentum=0.9) for params in trained]
+    for step in range(2):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for forward, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            forward(x).float().pow(2).mean().backward()
+            opt.step()
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    norm = torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    views = dict(storage.named_views())
+    assert {n: v.shape for n, v in views.items()} == {n: p.shape for n, p in plain.named_parameters()}
