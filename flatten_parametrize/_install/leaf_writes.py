@@ -84,15 +84,12 @@ class _Name:
     ptr: int
     dtype: torch.dtype
     shape: torch.Size
-    trains: bool  # its requires_grad
     tied: bool  # the slot has other names
 
 
 #: What :meth:`LeafWatch.changed` found: ``flatten()`` lands these itself (values copied into the slot;
-#: module swaps and misfits laid out again by ``rehost.py``), but not the others. :data:`TRAINS`: only
-#: ``requires_grad`` changed (the groups are laid out again where a group's flag must follow).
-TRAINS, LANDS, REHOSTS, RELAYS = "trains", "lands", "rehosts", "relays"
-_RANK = {TRAINS: 0, LANDS: 1, REHOSTS: 2, RELAYS: 3}
+#: module swaps and misfits laid out again by ``rehost.py``), but not the others.
+LANDS, REHOSTS, RELAYS = "lands", "rehosts", "relays"
 
 
 class LeafWatch:
@@ -122,7 +119,6 @@ class LeafWatch:
                         _ptr(slot.param),
                         slot.param.dtype,
                         slot.param.shape,
-                        slot.param.requires_grad,
                         len(names) > 1,
                     )
                 )
@@ -133,42 +129,49 @@ class LeafWatch:
                     key = (id(parent), parts[depth])
                     edges[key] = (path, weakref.ref(parent), weakref.ref(modules[path]))
         self._edges = list(edges.items())
-        #: What :meth:`_unchanged` compares at each sync point: per name ``(owner, its parameter dict,
-        #: attribute, leaf, data pointer, dtype, shape, requires_grad)``, per module edge ``(parent, its
-        #: module dict, key, child)``.
-        kept = self._names
+        #: What :meth:`_unchanged` compares at each sync point, grouped so that each module's dicts are
+        #: looked up once: per owner ``(owner, its parameter dict, ((attribute, leaf, data pointer, dtype,
+        #: shape), ...))``, per parent ``(parent, its module dict, ((key, child), ...))``.
+        owners: dict[int, tuple[weakref.ref[nn.Module], Any, list[tuple[Any, ...]]]] = {}
+        for n in self._names:
+            entry = owners.setdefault(id(n.owner()), (n.owner, _dict(n.owner, "_parameters"), []))
+            entry[2].append((n.attr, n.leaf, n.ptr, n.dtype, n.shape))
+        parents: dict[int, tuple[weakref.ref[nn.Module], Any, list[tuple[Any, ...]]]] = {}
+        for (_, child_key), (_, parent, child) in self._edges:
+            entry = parents.setdefault(id(parent()), (parent, _dict(parent, "_modules"), []))
+            entry[2].append((child_key, child))
         self._quick = (
-            tuple(
-                (n.owner, _dict(n.owner, "_parameters"), n.attr, n.leaf, n.ptr, n.dtype, n.shape, n.trains)
-                for n in kept
-            ),
-            tuple((p, _dict(p, "_modules"), key, c) for (_, key), (_, p, c) in self._edges),
+            tuple((owner, params, tuple(names)) for owner, params, names in owners.values()),
+            tuple((parent, modules, tuple(children)) for parent, modules, children in parents.values()),
         )
 
     def _unchanged(self) -> bool:
-        """Return whether every name holds its leaf, with its memory, shape and flag, under the same modules.
+        """Return whether every name holds its leaf, with its memory and shape, under the same modules (fast).
 
         The shape is compared too: ``.data = w.data[:8]`` keeps the data pointer.
         """
-        names, edges = self._quick
+        owners, parents = self._quick
         try:
-            for owner, params, attr, leaf, ptr, dtype, shape, trains in names:
-                if (
-                    params.get(attr) is not leaf
-                    or leaf.data_ptr() != ptr
-                    or leaf.dtype is not dtype
-                    or leaf.shape != shape
-                    or leaf.requires_grad is not trains
-                ):
-                    return False
+            for owner, params, names in owners:
                 if _dict(owner, "_parameters") is not params:
                     return False
+                for attr, leaf, ptr, dtype, shape in names:
+                    if (
+                        params.get(attr) is not leaf
+                        or leaf.data_ptr() != ptr
+                        or leaf.dtype is not dtype
+                        or leaf.shape != shape
+                    ):
+                        return False
         except RuntimeError:  # a leaf without storage (functorch wrappers): the full comparison says what
             return False
-        for parent, modules, key, child in edges:
-            module = child()  # a module deleted and gone: its key may be gone too (None is None)
-            if module is None or modules.get(key) is not module or _dict(parent, "_modules") is not modules:
+        for parent, modules, children in parents:
+            if _dict(parent, "_modules") is not modules:
                 return False
+            for key, child in children:
+                module = child()  # a module deleted and gone: its key may be gone too (None is None)
+                if module is None or modules.get(key) is not module:
+                    return False
         return True
 
     def changed(self) -> tuple[str, str] | None:
@@ -177,9 +180,7 @@ class LeafWatch:
         The kind is :data:`RELAYS` when only laying the groups out again can
         take it (another shape, a name set to ``None`` or deleted, a tie
         broken), :data:`REHOSTS` for a submodule replaced or a tensor that cannot
-        live in a flat buffer, :data:`LANDS` for values that fit the slot,
-        :data:`TRAINS` for a leaf's ``requires_grad`` alone; the first of the
-        highest kind.
+        live in a flat buffer, :data:`LANDS` for values that fit the slot.
         """
         if self._unchanged():
             return None
@@ -195,7 +196,7 @@ class LeafWatch:
                 continue  # its module is gone: an edge above says so
             current = owner._parameters.get(name.attr, _MISSING)
             change = _change(name, current)
-            if change is not None and (found is None or _RANK[change[0]] > _RANK[found[0]]):
+            if change is not None and (found is None or change[0] == RELAYS):
                 found = change
                 if found[0] == RELAYS:
                     break
@@ -212,11 +213,11 @@ def _change(name: _Name, current: Any) -> tuple[str, str] | None:
                 f"{name.qualified} was given a tensor of shape {tuple(current.shape)} through `.data` (its "
                 f"slot holds {tuple(name.shape)})"
             )
-        if _ptr(current) != name.ptr:
-            return LANDS, f"{name.qualified} was given other memory (`.data = t`)"
-        if current.requires_grad != name.trains:
-            return TRAINS, f"{name.qualified} was set to requires_grad={current.requires_grad}"
-        return None
+        return (
+            None
+            if _ptr(current) == name.ptr
+            else (LANDS, f"{name.qualified} was given other memory (`.data = t`)")
+        )
     if current is _MISSING or current is None:
         return RELAYS, f"{name.qualified} was deleted or set to None"
     if not isinstance(current, Tensor):
@@ -268,12 +269,11 @@ def settle(core: Any, what: str | None = None) -> Any:
     if watch is None or core.is_flattened or core.per_tensor.settling or not core.is_attached:
         return core
     found = watch.changed()
+    if found is None and what != "flatten()":
+        found = _flag_to_follow(core)
     if found is None or (what == "flatten()" and found[0] != RELAYS):  # flatten() lands the rest itself
         return core
     if what is None and _in_functional_call():  # its substitutes, for the length of that call only
-        return core
-    if found[0] == TRAINS and _flags_follow(core):  # nothing to lay out: the watch takes the new flags
-        core.per_tensor.watch = LeafWatch(core)
         return core
     change = found[1]
     holders = layout_holders(core)
@@ -303,18 +303,23 @@ def settle(core: Any, what: str | None = None) -> Any:
     return new
 
 
-def _flags_follow(core: Any) -> bool:
-    """Return whether each group's flat parameter requires grad exactly when one of its leaves does.
+def _flag_to_follow(core: Any) -> tuple[str, str] | None:
+    """Return the change to lay out if a group's flat parameter does not require grad as its leaves do.
 
     In per-tensor mode each leaf has its own ``requires_grad``, as on the plain model (a frozen
-    submodule; every weight trained after peft's ``merge_and_unload`` left only the frozen base
-    group). A group trains while any of its leaves does: its flat parameter must then require grad,
-    so that its gradient hooks (gradient sync, ``ShardedOptimizer``, the leaves' landing) run.
+    submodule; every weight trained again after peft's ``merge_and_unload`` left only the frozen
+    base group). A group trains while any of its leaves does: its flat parameter must then require
+    grad, so that its gradient hooks (gradient sync, ``ShardedOptimizer``, the leaves' landing)
+    run, and not otherwise. Compared with the flags themselves, not with a watch, so that nothing
+    (a watch renewed when the buffers were re-backed, say) can hide it; a group that trains stops
+    at its first leaf that does.
     """
-    return all(
-        group.flat.requires_grad == any(slot.param.requires_grad for slot in group.members)
-        for group in core.groups()
-    )
+    for group in core.groups():
+        trains = group.flat.requires_grad
+        if trains != any(slot.param.requires_grad for slot in group.members):
+            first = group.members[0] if trains else next(s for s in group.members if s.param.requires_grad)
+            return RELAYS, f"{first.name} was set to requires_grad={not trains}"
+    return None
 
 
 def keep_leaf_state(module: nn.Module) -> Callable[[], None]:
