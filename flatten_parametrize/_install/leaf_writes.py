@@ -52,6 +52,7 @@ from torch.nn.utils import stateless
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from .._core.compiling import never_traced
 from .._core.features import layout_holders, refuse_held_layout
 from .._core.fit import misfit
 from .._core.grad import set_grad
@@ -383,25 +384,41 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     through ``.data``, the forward no sync point), would step the old layout: the new parameter's
     gradient is not in the flat gradient and it would not train. The groups are laid out again
     first and the optimizer's state follows its slots (``relaid_optim``). After the first step of
-    each optimizer it costs a dict lookup, and one :meth:`LeafWatch.changed` per such storage.
+    an optimizer it costs a dict lookup (traceable: a compiled step of any other optimizer does not
+    break here), and one :func:`settle` per storage it steps the flat parameters of.
     """
     groups = getattr(optimizer, "param_groups", None)
     if not isinstance(groups, list):
         return
-    key = (len(groups), EPOCH[0])
     found = _STEPPED.get(id(optimizer))
-    if found is None or found[0] != key:
-        if found is None:
-            weakref.finalize(optimizer, _STEPPED.pop, id(optimizer), None)
-        ids = {id(p) for group in groups for p in group.get("params", ())}
-        stepped = [
-            weakref.ref(core)
-            for core in list(_PER_TENSOR)
-            if core.is_attached and any(id(group.flat) in ids for group in core.groups())
-        ]
-        found = _STEPPED[id(optimizer)] = (key, stepped)
+    if found is None or found[0] != (len(groups), EPOCH[0]):
+        found = _look_up(optimizer, groups)
+    if found[1]:
+        _land_before_step(optimizer, found[1])
+
+
+@never_traced  # weakref.finalize is not traceable
+def _look_up(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> tuple[tuple[int, int], list[weakref.ref[Any]]]:
+    """Find (and remember) the storages in per-tensor mode whose flat parameters ``optimizer`` steps."""
+    if id(optimizer) not in _STEPPED:
+        weakref.finalize(optimizer, _STEPPED.pop, id(optimizer), None)
+    ids = {id(p) for group in groups for p in group.get("params", ())}
+    stepped = [
+        weakref.ref(core)
+        for core in list(_PER_TENSOR)
+        if core.is_attached and any(id(group.flat) in ids for group in core.groups())
+    ]
+    found = _STEPPED[id(optimizer)] = ((len(groups), EPOCH[0]), stepped)
+    return found
+
+
+@never_traced
+def _land_before_step(optimizer: torch.optim.Optimizer, stepped: list[weakref.ref[Any]]) -> None:
+    """Settle each storage of ``stepped``; where one was laid out again, move ``optimizer``'s state now."""
     relaid = False
-    for ref in found[1]:
+    for ref in stepped:
         core = ref()
         if core is not None and settle(core) is not core:
             relaid = True

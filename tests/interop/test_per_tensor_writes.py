@@ -694,9 +694,9 @@ def test_every_write_path_in_per_tensor_mode_trains_as_the_plain_model_with_or_w
     assert {n: v.shape for n, v in views.items()} == {n: p.shape for n, p in plain.named_parameters()}
 
 
-def test_a_frozen_group_set_to_train_while_a_feature_holds_the_layout_is_refused_with_the_holder(tmp_path: Path):
+def test_a_frozen_group_set_to_train_while_a_feature_holds_the_layout_is_refused_naming_it(tmp_path: Path):
     """Offloaded to disk: the change that lays the group out again raises naming the holder; then it lands."""
-    plain, model, storage = _frozen_pair(None)
+    _, model, storage = _frozen_pair(None)
     storage.offload_to_disk(tmp_path)
     model.fc.requires_grad_(True)
     with pytest.raises(
