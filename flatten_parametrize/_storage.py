@@ -32,6 +32,7 @@ from ._inspect.plot import plot_layout
 from ._inspect.summary import storage_html, storage_repr, summary_table
 from ._install.coordinator import FlatTensors, StorageCore
 from ._install.leaf_writes import settle
+from ._install.left_out import say_left_out
 from ._state.attach_optim import OptimizerAttachment, attach_optimizer
 
 if TYPE_CHECKING:
@@ -126,7 +127,9 @@ class FlatStorage:
     @property
     def flat_params(self) -> list[FlatParameter]:
         """Return the flat parameters, one per group, in group order."""
-        return self._core.flat_params
+        core = self._core
+        say_left_out(core, "storage.flat_params")
+        return core.flat_params
 
     @property
     def group_names(self) -> list[str]:
@@ -204,7 +207,9 @@ class FlatStorage:
             >>> [(name, tuple(view.shape)) for name, view in storage.named_views()]
             [('weight', (3, 2)), ('bias', (3,))]
         """
-        return self._core.named_views(remove_duplicate)
+        core = self._core
+        say_left_out(core, "storage.named_views()")
+        return core.named_views(remove_duplicate)
 
     def named_grads(self, remove_duplicate: bool = True) -> Iterator[tuple[str, Tensor | None]]:
         """Yield ``(name, gradient)`` for every flattened parameter.
@@ -232,7 +237,9 @@ class FlatStorage:
             >>> dict(storage.named_grads())["bias"]
             tensor([1.])
         """
-        return self._core.named_grads(remove_duplicate)
+        core = self._core
+        say_left_out(core, "storage.named_grads()")
+        return core.named_grads(remove_duplicate)
 
     def views_of(self, tensors: FlatTensors, remove_duplicate: bool = True) -> dict[str, Tensor]:
         """Return ``{name: view}`` over tensors shaped like the flat parameters.
@@ -263,7 +270,9 @@ class FlatStorage:
             >>> {k: tuple(v.shape) for k, v in storage.views_of([ema]).items()}
             {'weight': (3, 2), 'bias': (3,)}
         """
-        return self._core.views_of(tensors, remove_duplicate)
+        core = self._core
+        say_left_out(core, "storage.views_of()")
+        return core.views_of(tensors, remove_duplicate)
 
     def flatten(self) -> None:
         """Switch to flat mode: attributes become views of the flat buffers again.

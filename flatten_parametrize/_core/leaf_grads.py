@@ -193,7 +193,7 @@ class LeafGrads:
         if flat is None or not has_post_accumulate_grad_hooks(flat):
             return 0
         try:
-            return sum(will_execute(self._accumulator(position)) for position in range(len(self.leaves)))
+            return sum(self._accumulates(position, strict=True) for position in range(len(self.leaves)))
         except RuntimeError:  # not a backward that accumulates: leave it to the end
             return 0
 
@@ -233,6 +233,8 @@ class LeafGrads:
                 if fresh or position not in pending:  # a slot that backward filled keeps its gradient
                     zeros.append(region)
                 continue
+            if grad.shape != region.shape:  # the leaf got another shape (`.data = t`): the storage's next
+                continue  # sync point lays the groups out again, with this gradient in the leaf's new slot
             if not fresh and _same_elements(grad, region):  # a view of the slot made elsewhere (mode switch)
                 moved.append((leaf, region))
                 continue
@@ -362,11 +364,21 @@ class LeafGrads:
             self._claims = {task: self._claims[task] for task in live}
         return set().union(*live.values()) if live else _NONE
 
-    def _accumulates(self, position: int) -> bool:
-        """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``."""
+    def _accumulates(self, position: int, strict: bool = False) -> bool:
+        """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``.
+
+        A leaf frozen in per-tensor mode (``requires_grad_(False)``) has no accumulator: never.
+
+        Raises:
+            RuntimeError: if ``strict``, for a call that accumulates nothing (``torch.autograd.grad()``).
+        """
+        if not self.leaves[position].requires_grad:
+            return False
         try:
             return bool(will_execute(self._accumulator(position)))
         except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
+            if strict:
+                raise
             return False
 
     def _accumulator(self, position: int) -> Any:

@@ -149,8 +149,9 @@ class CacheEntry:
     (``watch_ptr``). In-place updates of the buffer do not invalidate it: every
     view aliases the buffer and shares its version counter (see ``_GroupSplit``).
 
-    Each view made is kept in ``made`` with its ``data_ptr()`` then (``ptrs``): a
-    view whose ``.data`` was assigned points elsewhere, and a write scan
+    Each view made is kept in ``made`` with its ``data_ptr()`` and shape then (``ptrs``,
+    ``shapes``): a view whose ``.data`` was assigned points elsewhere (or, given a crop of
+    its own memory such as ``w.data[:8]``, has another shape), and a write scan
     (:meth:`GroupViews.sync`) lands the assigned values in the flat tensor and
     retires the entry. Until then that view itself serves the assigned tensor.
 
@@ -170,6 +171,7 @@ class CacheEntry:
             until then).
         made: the slot index of every view made so far, in the order made.
         ptrs: the ``data_ptr()`` of each of those views when it was made.
+        shapes: the shape of each of those views when it was made.
         requires_grad: ``flat.requires_grad`` then.
         version: ``flat._version`` then if the views come from a source (a
             copy that does not share the flat tensor's in-place updates), else ``-1``.
@@ -189,6 +191,7 @@ class CacheEntry:
         "ptrs",
         "requires_grad",
         "served",
+        "shapes",
         "trusted",
         "version",
         "views",
@@ -214,6 +217,7 @@ class CacheEntry:
         self.made: list[int] = [i for i, v in enumerate(views) if v is not None]
         self.made_views: list[Tensor] = [v for v in views if v is not None]
         self.ptrs: list[int] = [v.data_ptr() for v in self.made_views]
+        self.shapes: list[torch.Size] = [v.shape for v in self.made_views]
         self.requires_grad = flat.requires_grad
         #: ``flat._version`` when the views were served from ``GroupViews.source`` (``-1``: from
         #: the flat tensor itself, whose in-place updates the views share).
@@ -241,12 +245,14 @@ class CacheEntry:
         self.made.append(index)
         self.made_views.append(view)
         self.ptrs.append(view.data_ptr())
+        self.shapes.append(view.shape)
         return view
 
     def written(self) -> bool:
-        """Return whether a view made from this entry points elsewhere now (its ``.data`` was assigned)."""
+        """Return whether a view made from this entry was given other memory or shape (``.data = t``)."""
         WRITE_SCANS["views"] += len(self.made_views)
-        return list(map(_data_ptr, self.made_views)) != self.ptrs
+        made = self.made_views
+        return list(map(_data_ptr, made)) != self.ptrs or [v.shape for v in made] != self.shapes
 
 
 class GroupViews:
@@ -604,10 +610,11 @@ class GroupViews:
         self._entries.discard(entry)
         storage = flat.untyped_storage()._cdata
         writes = []
-        for index, view, ptr in zip(entry.made, entry.made_views, entry.ptrs):
-            if view.data_ptr() == ptr:
+        for index, view, ptr, made_shape in zip(entry.made, entry.made_views, entry.ptrs, entry.shapes):
+            moved = view.data_ptr() != ptr
+            if not moved and view.shape == made_shape:
                 continue
-            if view.untyped_storage()._cdata == storage:
+            if moved and view.untyped_storage()._cdata == storage:
                 continue  # the buffer itself moved or was freed (FSDP2 frees unsharded ones)
             value = view.data
             shape = torch.Size(self._shapes[index])

@@ -12,10 +12,10 @@ syncs gradients itself), and ``broadcast_params`` and the optimizer's
 construction copy them as DDP's constructor does.
 
 :class:`OutsideParams` finds them: the module's parameters that are neither a
-``FlatParameter`` nor a leaf of a live storage (per-tensor mode). The walk over
-the module runs again only after torch registered a parameter or a submodule
-anywhere (its global registration hooks move :data:`GENERATION`) or a storage
-changed mode or layout (``_core/leaves.py``'s ``EPOCH``): a clean forward costs
+``FlatParameter`` nor a leaf of a live storage (per-tensor mode; ``_core/unheld.py``).
+The walk over the module runs again only after torch registered a parameter or a
+submodule anywhere (its global registration hooks move :data:`GENERATION`) or a
+storage changed mode or layout (``_core/leaves.py``'s ``EPOCH``): a clean forward costs
 two integer comparisons. Each one that requires grad gets a post-accumulate-grad
 hook, so that a backward that reaches only them (a frozen body, a new head) is
 synced too. At the end of a synced backward :func:`reduce_once` averages their
@@ -39,44 +39,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._core.flat_parameter import FlatParameter
 from .._core.grad import set_grad
-from .._core.leaves import EPOCH, storage_of_leaf
+from .._core.leaves import EPOCH
+from .._core.unheld import GENERATION, watch_registrations
+from .._core.unheld import unheld as outside_params
 
 __all__ = ["GENERATION", "OutsideParams", "broadcast", "outside_params", "reduce", "reduce_once"]
-
-#: Moves whenever torch registers a parameter or a submodule on any module (``GENERATION[0]``).
-GENERATION = [0]
-
-_installed: list[Any] = []
-
-
-def _moved(*args: Any) -> None:
-    GENERATION[0] += 1
-
-
-def _install() -> None:
-    """Register torch's global parameter and module registration hooks (once)."""
-    if not _installed:
-        _installed.append(nn.modules.module.register_module_parameter_registration_hook(_moved))
-        _installed.append(nn.modules.module.register_module_module_registration_hook(_moved))
-
-
-def outside_params(module: nn.Module) -> list[nn.Parameter]:
-    """Return the parameters of ``module`` that no flat storage holds (frozen ones included).
-
-    Only leaf ``nn.Parameter`` objects count: what a forward puts in the
-    parameters' places for its length (a mixed-precision policy's compute
-    views in per-tensor mode) is not a parameter of the model.
-    """
-    return [
-        p
-        for p in module.parameters()
-        if isinstance(p, nn.Parameter)
-        and p.is_leaf
-        and not isinstance(p, FlatParameter)
-        and storage_of_leaf(p) is None
-    ]
 
 
 class OutsideParams:
@@ -91,7 +59,7 @@ class OutsideParams:
     __slots__ = ("_core_ref", "_handles", "_key", "_on_grad", "params")
 
     def __init__(self, syncer: Any, core: Any) -> None:
-        _install()
+        watch_registrations()
         self._on_grad = _hook(weakref.ref(syncer))
         self._core_ref = weakref.ref(core)
         self._key: tuple[int, int] | None = None

@@ -516,7 +516,9 @@ class MixedPrecision:
                 group.views.source = None
                 group.views.cast = None
                 group.grads.reduce_dtype = None
-            _unhook(storage.module_unchecked)
+            module = storage.module_unchecked
+            if registered_storage(module) is None:  # else the core that took its place keeps the hooks
+                _unhook(module)
         for copy in self._copies.values():
             if copy.master is not None:
                 _HELD.pop(id(copy.master), None)
@@ -540,11 +542,7 @@ class MixedPrecision:
 
     # -------------------------------------------------------------- hooks
     def _hook(self, module: nn.Module) -> None:
-        _unhook(module)
-        if self.input_dtype is not None:
-            module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
-        if self.output_dtype is not None:
-            module.register_forward_hook(_cast_output)
+        _set_hooks(module, inputs=self.input_dtype is not None, output=self.output_dtype is not None)
 
 
 class _GroupSource:
@@ -584,12 +582,32 @@ def restore_mixed_precision(
     storage.add_feature(MixedPrecision(storage, policies))
 
 
-def _unhook(module: nn.Module) -> None:
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        for key in [k for k, h in hooks.items() if h in (_cast_inputs, _cast_output)]:
+def _set_hooks(module: nn.Module, *, inputs: bool, output: bool) -> None:
+    """Give ``module`` the cast hooks asked for, once each; a hook already there stays under its key.
+
+    The groups laid out again at per-tensor mode's forward sync point (a forward pre-hook,
+    ``_install/per_tensor.py``) hand the hooks from the old core's feature to the new one's while
+    torch runs that forward's pre-hooks from a list it took before: a hook removed and registered
+    again there would be called without its kwargs (torch looks its key up in
+    ``_forward_pre_hooks_with_kwargs``), so the feature that takes over keeps them as they are.
+    """
+    for hooks, with_kwargs, hook, wanted in (
+        (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, _cast_inputs, inputs),
+        (module._forward_hooks, module._forward_hooks_with_kwargs, _cast_output, output),
+    ):
+        keys = [key for key, found in hooks.items() if found is hook]
+        if wanted and not keys:
+            if hook is _cast_inputs:
+                module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+            else:
+                module.register_forward_hook(_cast_output)
+        for key in keys[1:] if wanted else keys:
             del hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_with_kwargs.pop(key, None)
+            with_kwargs.pop(key, None)
+
+
+def _unhook(module: nn.Module) -> None:
+    _set_hooks(module, inputs=False, output=False)
 
 
 def _feature_of(module: nn.Module) -> MixedPrecision | None:

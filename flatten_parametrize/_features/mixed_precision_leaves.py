@@ -126,6 +126,8 @@ class _GroupLeaves:
     graph: dict[int, Tensor] = field(default_factory=dict)
     #: Whether :attr:`graph` has a node per owning module (else one for the group).
     by_owner_graph: bool = False
+    #: Each leaf's ``requires_grad`` when :attr:`graph` was made (the leaves that are its nodes' inputs).
+    graph_flags: tuple[bool, ...] = ()
 
 
 class LeafCompute:
@@ -154,21 +156,26 @@ class LeafCompute:
         """Per-tensor mode began: note the leaves, give them the master class, hook their modules."""
         self._storage_ref = weakref.ref(storage)
         modules = dict(storage.module_unchecked.named_modules(remove_duplicate=False))
-        live = storage.live_names()
+        # The names the tree reaches each slot by now (a module moved in the tree: its current path).
+        current = {id(slot): names for slot, names in zip(storage.slots(), storage.current_names())}
         groups = storage.groups()
         tx.on_undo(self._forget)  # the leaves' classes, counts and hooks are undone one by one
-        self._groups = {g: self._note(groups[g], modules, live, tx) for g in self._indices}
+        self._groups = {g: self._note(groups[g], modules, current, tx) for g in self._indices}
         owners = {id(m): m for record in self._groups.values() for m, _, _, _ in record.targets}
         self._owners = [hooks for owner in owners.values() if (hooks := _hooks_of(owner)) is not None]
 
     def _note(
-        self, group: Group, modules: dict[str, nn.Module], live: set[str], tx: Transaction
+        self,
+        group: Group,
+        modules: dict[str, nn.Module],
+        current: dict[int, tuple[str, ...]],
+        tx: Transaction,
     ) -> _GroupLeaves:
         targets: list[tuple[nn.Module, str, int, Tensor]] = []
         by_owner: dict[int, list[int]] = {}
         leaves: dict[int, Tensor] = {}
         for slot in group.members:
-            names = [n for n in slot.all_names if n in live]
+            names = current[id(slot)]
             leaf = slot.param
             leaves[slot.index] = leaf
             tx.set_attr(leaf, "__class__", master_class(type(leaf)))
@@ -305,24 +312,33 @@ class LeafCompute:
                 record.copy = tensor
                 record.plain = group.views.split(tensor)
                 record.graph = {}
-        if not (torch.is_grad_enabled() and flat.requires_grad) or torch.is_inference_mode_enabled():
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return record.plain
+        # Each leaf's own flag, as on the plain model (per-tensor mode: a frozen submodule, say): a leaf
+        # that does not require grad is served its detached view and is no input of a node.
+        flags = tuple(leaf.requires_grad for leaf in leaves.values())
+        if not any(flags):
             return record.plain
         by_owner = process_group_exists()
-        if not record.graph or record.by_owner_graph != by_owner:
-            record.graph = {}
+        if not record.graph or record.by_owner_graph != by_owner or record.graph_flags != flags:
+            record.graph = {i: record.plain[i] for i, leaf in leaves.items() if not leaf.requires_grad}
             record.by_owner_graph = by_owner
+            record.graph_flags = flags
             nodes = list(record.by_owner.values())
             if not by_owner:
                 nodes = [[index for indices in nodes for index in indices]]
             with torch.inference_mode(False):
                 for indices in nodes:
+                    trained = [i for i in indices if leaves[i].requires_grad]
+                    if not trained:
+                        continue
                     outputs = _LeafCast.apply(
-                        tuple(record.plain[i] for i in indices),
+                        tuple(record.plain[i] for i in trained),
                         group.grads,
-                        tuple(indices),
-                        *(leaves[i] for i in indices),
+                        tuple(trained),
+                        *(leaves[i] for i in trained),
                     )
-                    record.graph.update(zip(indices, outputs))
+                    record.graph.update(zip(trained, outputs))
         return record.graph
 
 

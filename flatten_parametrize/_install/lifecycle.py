@@ -154,10 +154,18 @@ def install_storage(core: StorageCore, tx: Transaction | None = None) -> None:
 
 
 def remove_in(core: StorageCore, tx: Transaction) -> None:
-    """Undo the registration of ``core`` as part of ``tx``: plain parameters with the current values."""
+    """Undo the registration of ``core`` as part of ``tx``: plain parameters with the current values.
+
+    In per-tensor mode each parameter keeps its own ``requires_grad`` (a frozen submodule stays
+    frozen, as on the plain model); from flat mode each gets its group's.
+    """
+    flags = [] if core.is_flattened else [(slot.param, slot.param.requires_grad) for slot in core.slots()]
     aside = surgery.set_aside_replacements(core, tx)  # what outside code put there stays
     core.flatten_in(tx)
     surgery.uninstall(core, tx)
+    for param, flag in flags:
+        if param.requires_grad != flag:
+            tx.set_attr(param, "requires_grad", flag)
     surgery.put_back(aside, tx)
     core.mark_removed(tx)
     mode_changed()  # an optimizer over its leaves is checked again (they are ordinary now)

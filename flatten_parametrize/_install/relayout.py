@@ -57,6 +57,7 @@ from .._state.relaid_optim import Move
 from . import surgery
 from .coordinator import StorageCore
 from .grouping import resolve_groups
+from .leaf_writes import keep_leaf_state
 from .lifecycle import build_storage, remove_in, remove_storage
 from .module_classes import base_of
 
@@ -98,7 +99,7 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
     """
     check_relayout(core, what)
     core.sync_writes()
-    was_flat = core.is_flattened
+    leaf_state = None if core.is_flattened else keep_leaf_state(core.module)
     plan = _Plan(core)
     remove_storage(core)
     moved = plan.moved()
@@ -110,8 +111,9 @@ def relayout(core: StorageCore, what: str, change: Callable[[], T]) -> T:
         new, left = _register_again(plan)
         plan.hand_over(new)
         plan.follow(new)
-        if new is not None and not was_flat:
+        if new is not None and leaf_state is not None:
             new.unflatten()
+            leaf_state()
         plan.report(what, new, left, moved)
 
 
@@ -335,6 +337,15 @@ def _register_again(plan: _Plan, tx: Transaction | None = None) -> tuple[Storage
                 params.append(param)
                 if param.grad is not None and param.grad.shape != param.shape:
                     set_grad(param, None)  # resized: its old gradient has no place in the new layout
+        # Leaves of per-tensor mode have flags of their own: the group trains while one of them does
+        # (:func:`.leaf_writes.keep_leaf_state` puts each leaf's own back after the layout).
+        trains = any(param.requires_grad for param in params)
+        for param in params:
+            if param.requires_grad != trains:
+                if tx is None:
+                    param.requires_grad_(trains)
+                else:
+                    tx.set_attr(param, "requires_grad", trains)
         if params:
             groups[name] = params
     flats = [flat for _, flat, _ in plan.groups]

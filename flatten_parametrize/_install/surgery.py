@@ -382,9 +382,11 @@ def set_aside_replacements(storage: Coordinator, tx: Transaction) -> Aside:
             if is_distributed(value):
                 continue
             if value is slot.param:
-                if misfit(value, group.flat) is None:
+                fits = tuple(value.shape) == group.layout.shapes[slot.index]
+                if fits and misfit(value, group.flat) is None:
                     continue
-                # Converted in place (``module.to(torch.float64)``): a stand-in with the slot's values.
+                # Converted in place (``module.to(torch.float64)``) or given another shape through
+                # ``.data``: a stand-in with the slot's values.
                 stand_in = nn.Parameter(group.value_views()[slot.index].detach().clone(), value.requires_grad)
                 tx.keep_dict(owner._parameters)
                 owner._parameters[attr] = stand_in

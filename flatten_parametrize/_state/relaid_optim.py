@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Move", "record"]
+__all__ = ["Move", "follow", "install", "record"]
 
 
 @dataclass
@@ -67,11 +67,26 @@ def record(flat: Tensor, move: Move) -> None:
         entry = (weakref.ref(flat, lambda _: _MOVES.pop(key, None)), [])
         _MOVES[key] = entry
     entry[1].append(move)
+    install()
+
+
+def install() -> None:
+    """Register the global step pre-hook that moves the state (once).
+
+    Registered ahead of time by a step pre-hook that may lay groups out again
+    (``_install/leaf_writes.py``): torch runs the global pre-hooks from their
+    dict, so none may be registered while they run.
+    """
     if not _handle:
         _handle.append(register_optimizer_step_pre_hook(_before_step))
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    follow(optimizer)
+
+
+def follow(optimizer: torch.optim.Optimizer) -> None:
+    """Move ``optimizer``'s state of every flat parameter laid out again since its last step."""
     if not _MOVES:
         return
     for group in optimizer.param_groups:

@@ -246,12 +246,11 @@ def alias_unflattened(storage: Coordinator, destination: Any, prefix: str) -> No
     values through :func:`_alias` afterwards, as flat mode does while saving.
     """
     groups = storage.groups()
-    live = storage.live_names()
-    for slot in storage.slots():
+    for slot, names in zip(storage.slots(), storage.current_names()):
         key = (groups[slot.group_index].views, slot.index)
-        for name in slot.all_names:
+        for name in names:
             value = destination.get(prefix + name)
-            if name in live and isinstance(value, Tensor):
+            if isinstance(value, Tensor):
                 destination[prefix + name] = _alias(destination, key, value)
 
 
@@ -434,15 +433,17 @@ def unflatten_flat_form(storage: Coordinator, state_dict: dict[str, Any], prefix
             UserWarning,
             stacklevel=2,
         )
+    # The names the tree reaches each slot by now: a replaced submodule loads its own entries, a moved
+    # one (peft's merge_and_unload puts the wrapped layer where its adapter was) its slots' values.
+    current = {id(slot): names for slot, names in zip(storage.slots(), storage.current_names())}
     for key in ours:
         group = by_key[key]
         flat = state_dict.pop(key)
         state_dict.pop(prefix + flat_layout_name(group.name), None)
         views = group.split(flat)
         for slot in group.members:
-            for name in slot.all_names:
-                if name in live:  # a replaced submodule loads its own entries
-                    state_dict[prefix + name] = views[slot.index]
+            for name in current[id(slot)]:
+                state_dict[prefix + name] = views[slot.index]
 
 
 def _check_recordless(key: str, flat: Tensor, group: Group) -> None:

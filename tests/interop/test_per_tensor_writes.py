@@ -27,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage, remove_flat_storage
 
-from _helpers import twin
+from _helpers import cast_per_forward, twin
 
 
 class _GPTish(nn.Module):
@@ -415,3 +415,296 @@ def test_a_deleted_submodule_leaves_the_storage_while_a_module_below_it_lives_on
     assert names == {name for name, _ in model.named_parameters()}
     assert names == {"head.weight", "head.bias"}
     assert kept.weight.shape == (4, 4)  # the module below lives on, outside the model
+
+
+class _Head(nn.Module):
+    """A body and a head without bias, as in the issue: the head's weight is given another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(8, 24)
+        self.head = nn.Linear(24, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+#: ``.data`` writes of another shape: other memory (the issue's), the same memory cropped (same pointer).
+SHAPE_WRITES: dict[str, Callable[[nn.Parameter], torch.Tensor]] = {
+    "other memory": lambda w: torch.randn(6, 24, generator=torch.Generator().manual_seed(5)),
+    "same memory cropped": lambda w: w.data[:2],
+}
+
+
+@pytest.mark.parametrize("over", ["parameters", "flat_params"])
+@pytest.mark.parametrize("write", list(SHAPE_WRITES))
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_a_leaf_given_another_shape_through_data_trains_as_the_plain_model(policy, write, over):
+    """``layer.weight.data = t`` of another shape in per-tensor mode: the plain training; the features agree.
+
+    It failed at the next step with torch's "The size of tensor a (4) must match the size of tensor b
+    (6)" (the leaf kept its slot, of the old shape), under a policy with "cannot flatten: head.weight
+    has shape (6, 24)". Now the next sync point (a forward under the policy, the step of an optimizer
+    over ``flat_params``, any call on the storage) lays the groups out again with the leaf's new shape.
+    """
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    plain = _Head()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    storage.unflatten()
+    reference = cast_per_forward(plain) if policy else plain
+    opt = torch.optim.Adam(storage.flat_params if over == "flat_params" else model.parameters(), lr=0.1)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.1)
+    for m in (plain, model):
+        m.head.weight.data = SHAPE_WRITES[write](m.head.weight)
+    for step in range(3):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for forward, o in ((model, opt), (reference, plain_opt)):
+            o.zero_grad()
+            forward(x).float().pow(2).mean().backward()
+            o.step()
+    rows = plain.head.weight.shape[0]
+    assert model.head.weight.shape == dict(storage.named_views())["head.weight"].shape == (rows, 24)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    grads = dict(storage.named_grads())
+    assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters())
+    norm = torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    assert storage.flat_state_dict()["flat_param_0"].numel() == sum(p.numel() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("write", ["setattr", "register_parameter", "_parameters", "data"])
+def test_an_optimizer_over_flat_params_steps_a_parameter_replaced_since_with_no_call_on_the_storage(write):
+    """The step of an optimizer over ``flat_params`` lays the groups out again first: the new wpe trains.
+
+    Without a feature that makes the forward a sync point, nothing called the storage between the
+    crop and the step: the optimizer stepped the old layout, and the cropped wpe did not train (no
+    word). The plain twin's optimizer holds the new parameter with fresh momentum, as a slot that
+    changed shape gets; every other parameter keeps its momentum in both.
+    """
+    plain, model, storage = _pair()
+    opt = torch.optim.SGD(storage.flat_params, lr=0.1, momentum=0.9)  # a new slot's momentum: zeros
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            for m in (plain, model):
+                cropped = nn.Parameter(m.wpe.weight.detach()[:8].clone())
+                if write == "setattr":
+                    m.wpe.weight = cropped
+                elif write == "register_parameter":
+                    m.wpe.register_parameter("weight", cropped)
+                elif write == "_parameters":
+                    m.wpe._parameters["weight"] = cropped
+                else:
+                    m.wpe.weight.data = cropped.data
+            old = ref.param_groups[0]["params"][1]
+            ref.state.pop(old)
+            ref.param_groups[0]["params"][1] = plain.wpe.weight  # the plain optimizer over the new parameter
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            _loss(m, _tokens(step, 8)).backward()
+            o.step()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("write", ["setattr", "register_parameter", "_parameters", "data"])
+def test_groups_laid_out_again_at_the_forward_keep_the_policys_input_and_output_casts(write):
+    """A change landed by the forward's sync point: the input cast (args and kwargs) and output cast hold.
+
+    The forward's pre-hook laid the groups out again and the feature that took over re-registered the
+    input-cast hook, which torch then called without its kwargs: "_cast_inputs() missing 1 required
+    positional argument: 'kwargs'" (torchao's ``quantize_`` in per-tensor mode met it too).
+    """
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    plain = _Head()
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=policy)
+    storage.unflatten()
+    new = torch.randn(6, 24, generator=torch.Generator().manual_seed(5))
+    for m in (plain, model):
+        if write == "setattr":
+            m.head.weight = nn.Parameter(new.clone())
+        elif write == "register_parameter":
+            m.head.register_parameter("weight", nn.Parameter(new.clone()))
+        elif write == "_parameters":
+            m.head._parameters["weight"] = nn.Parameter(new.clone())
+        else:
+            m.head.weight.data = new.clone()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    out = model(x=x)  # the first sync point since the change, with the input as a keyword
+    assert out.dtype == torch.float32 and torch.equal(out, cast_per_forward(plain)(x).float())
+    assert dict(storage.named_views())["head.weight"].shape == (6, 24)
+
+
+def _frozen_pair(policy: str | None, grad_sync: bool = False) -> tuple[_GPTish, _GPTish, Any]:
+    """The model with ``fc`` frozen before registering (a group of its own) and its twin; per-tensor mode."""
+    plain = _GPTish()
+    plain.fc.requires_grad_(False)
+    model = twin(plain)
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    if grad_sync:
+        storage.enable_grad_sync()
+    storage.unflatten()
+    return plain, model, storage
+
+
+def _train_both(model: nn.Module, plain: nn.Module, policy: str | None, steps: int = 3) -> None:
+    reference = cast_per_forward(plain) if policy else plain
+    params = [[p for p in m.parameters() if p.requires_grad] for m in (model, plain)]
+    opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in params]
+    for step in range(steps):
+        for forward, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            forward(_tokens(step)).float().pow(2).mean().backward()
+            opt.step()
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("grad_sync", [False, True])
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_requires_grad_set_on_leaves_in_per_tensor_mode_trains_as_the_plain_model(policy, grad_sync):
+    """Each leaf's own flag counts, as on the plain model: a submodule frozen, one of a frozen group unfrozen.
+
+    Under a policy a frozen leaf failed the backward with an ``AssertionError`` (its compute view was an
+    output of the group's node) and an unfrozen leaf of a frozen group got no gradient with no word
+    (its group's views were served without a graph). With grad sync, the unfrozen group's gradient
+    was never reduced: its flat parameter did not require grad, so nothing hooked it.
+    """
+    plain, model, storage = _frozen_pair(policy, grad_sync)
+    reduced: list[int] = []
+    for m in (plain, model):
+        m.fc.requires_grad_(True)  # the frozen group trains again
+        m.wpe.requires_grad_(False)  # a submodule of the other group is frozen
+    if grad_sync:
+        model(_tokens())  # the sync point lays the groups out as the flags now say
+        frozen_group = storage.flat_params[1]
+        assert frozen_group.requires_grad
+        frozen_group.register_post_accumulate_grad_hook(lambda p: reduced.append(p.grad.numel()))
+    _train_both(model, plain, policy)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == [
+        (n, p.requires_grad) for n, p in plain.named_parameters()
+    ]
+    grads = dict(storage.named_grads())
+    assert grads["wpe.weight"] is None and torch.equal(grads["fc.weight"], plain.fc.weight.grad)
+    assert reduced == ([plain.fc.weight.numel() + plain.fc.bias.numel()] * 3 if grad_sync else [])
+
+
+@pytest.mark.parametrize("then", ["a layout change", "remove_flat_storage"])
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_a_layout_change_and_removal_keep_each_leafs_requires_grad(policy, then):
+    """A crop laid out again, or the storage removed, in per-tensor mode: frozen leaves stay frozen.
+
+    Both gave every leaf its group's flag: a submodule frozen in per-tensor mode trained again with no
+    word, and the leaves unfrozen in a frozen group stopped training.
+    """
+    plain, model, storage = _frozen_pair(policy)
+    for m in (plain, model):
+        m.fc.weight.requires_grad_(True)
+        m.wpe.requires_grad_(False)
+    if then == "a layout change":
+        for m in (plain, model):
+            crop_block_size(m, 8)
+            m.wpe.weight.requires_grad_(False)
+        assert dict(storage.named_views())["wpe.weight"].shape == (8, 4)
+    else:
+        remove_flat_storage(model)
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == [
+        (n, p.requires_grad) for n, p in plain.named_parameters()
+    ]
+    _train_both(model, plain, policy if then != "remove_flat_storage" else None)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def _write_head(m: _Head, how: str) -> None:
+    """One write path of SPEC "Outside code touching the model" on the head, in the plain model's way.
+
+    ``same``: a weight of the slot's shape; ``other`` and ``crop``: 3 rows instead of 4 (no bias).
+    """
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(4 if how.endswith("same") else 3, 24, generator=g)
+    if how.startswith("setattr"):
+        m.head.weight = nn.Parameter(weight)
+    elif how.startswith("register_parameter"):
+        m.head.register_parameter("weight", nn.Parameter(weight))
+    elif how.startswith("_parameters"):
+        m.head._parameters["weight"] = nn.Parameter(weight)
+    elif how.startswith("data"):
+        m.head.weight.data = weight if how != "data crop" else m.head.weight.data[:3]
+    elif how == "load_state_dict(assign=True)":
+        state = {k: torch.randn(v.shape, generator=g) for k, v in m.state_dict().items()}
+        m.load_state_dict(state, assign=True)
+    elif how == "vector_to_parameters":
+        n = sum(p.numel() for p in m.parameters())
+        torch.nn.utils.vector_to_parameters(torch.randn(n, generator=g), m.parameters())
+    elif how == "requires_grad_(False)":
+        m.body.requires_grad_(False)
+
+
+HEAD_WRITES = [
+    "setattr same",
+    "setattr other",
+    "register_parameter other",
+    "_parameters same",
+    "_parameters other",
+    "data same",
+    "data other",
+    "data crop",
+    "load_state_dict(assign=True)",
+    "vector_to_parameters",
+    "requires_grad_(False)",
+]
+
+
+@pytest.mark.parametrize("how", HEAD_WRITES)
+@pytest.mark.parametrize("policy", [None, "bf16"])
+def test_every_write_path_in_per_tensor_mode_trains_as_the_plain_model_with_or_without_a_policy(policy, how):
+    """Each write path, then training: the plain model's values; a clip over flat_params gives its norm."""
+    mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if policy else None
+    plain = _Head()
+    plain.head = nn.Linear(24, 4, bias=False) if how.endswith("other") or how == "data crop" else plain.head
+    model = twin(plain)
+    storage = register_flat_storage(model, mixed_precision=mixed)
+    storage.unflatten()
+    for m in (plain, model):
+        _write_head(m, how)
+    reference = cast_per_forward(plain) if policy else plain
+    trained = [[p for p in m.parameters() if p.requires_grad] for m in (model, plain)]
+    opts = [torch.optim.SGD(params, lr=0.1, momentum=0.9) for params in trained]
+    for step in range(2):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+        for forward, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            forward(x).float().pow(2).mean().backward()
+            opt.step()
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    norm = torch.nn.utils.clip_grad_norm_(storage.flat_params, 1e9)
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    views = dict(storage.named_views())
+    assert {n: v.shape for n, v in views.items()} == {n: p.shape for n, p in plain.named_parameters()}
+
+
+def test_a_frozen_group_set_to_train_while_a_feature_holds_the_layout_is_refused_naming_it(tmp_path: Path):
+    """Offloaded to disk: the change that lays the group out again raises naming the holder; then it lands."""
+    _, model, storage = _frozen_pair(None)
+    storage.offload_to_disk(tmp_path)
+    model.fc.requires_grad_(True)
+    with pytest.raises(
+        RuntimeError,
+        match=r"changed the model in per-tensor mode \(fc\.weight was set to requires_grad=True\), but "
+        r"DiskOffload hold",
+    ):
+        storage.flat_params  # noqa: B018
+    assert model.fc.weight.requires_grad  # the model keeps the change
+    storage.load_to_memory()
+    assert storage["1"].requires_grad and model.fc.weight.requires_grad

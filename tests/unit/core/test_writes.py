@@ -98,6 +98,22 @@ def test_data_assignment_of_another_shape_is_refused_and_changes_nothing():
     assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
 
 
+@pytest.mark.parametrize("write", ["crop", "reshape"])
+def test_data_assignment_of_its_own_memory_in_another_shape_is_refused_and_changes_nothing(write):
+    """`w.data = w.data[:3]` (or a reshape) keeps the data pointer: refused all the same, at the next forward.
+
+    It was not seen: the view served the crop, the forward computed with it and the backward failed
+    with autograd's "returned an invalid gradient", the flat buffer holding the old values.
+    """
+    plain, flat, _ = _pair()
+    weight = flat[0].weight
+    weight.data = weight.data[:3] if write == "crop" else weight.data.reshape(25)
+    shape = r"\(3, 5\)" if write == "crop" else r"\(25,\)"
+    with pytest.raises(RuntimeError, match=r"cannot take `0\.weight\.data = tensor`.*got shape " + shape):
+        flat(torch.randn(1, 5))
+    assert_agrees_with_twin(plain, flat, torch.randn(2, 5))
+
+
 def test_data_assignment_of_another_dtype_is_refused_at_the_next_forward():
     """A `.data` tensor of another dtype: RuntimeError naming both dtypes, at the next forward."""
     plain, flat, _ = _pair()
