@@ -65,13 +65,13 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from benchmarks.bench_mixed_precision import _build
+    from benchmarks._mixed_precision_models import build
     from flatten_parametrize import ShardedOptimizer, register_flat_storage
 
     torch.set_num_threads(config["threads"])
     torch.set_flush_denormal(True)
     join_gloo(rank, WORLD, port, 300)
-    model, batches, loss = _build("encoder", config["size"])
+    model, batches, loss = build("encoder", config["size"])
     x = batches[rank]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     opt: torch.optim.Optimizer

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import _mixed_precision_models as models
 from benchmarks import bench_mixed_precision as bench
 from benchmarks._timing import call_by_call, call_by_call_arguments, print_call_by_call
 
@@ -49,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
     row = ROWS[args.row]
     names = [bench.AUTOCAST, bench.BF16, bench.HAND, bench.LEAN, bench.POLICY, bench.PT_POLICY]
     base = bench.BF16 if row == bench.FWD_BWD else bench.AUTOCAST
-    size = bench._size(args.quick)  # --quick: the GPT-2 is a torch-only stand-in
+    size = models.size(args.quick)  # --quick: the GPT-2 is a torch-only stand-in
     calls = {}
     for name in names:
-        model, batches, loss = bench._build(args.model, size)
+        model, batches, loss = models.build(args.model, size)
         calls[name] = _call(bench._Trainer(name, model, loss), batches, row)
         for _ in range(3):
             calls[name]()

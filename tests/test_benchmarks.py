@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -270,3 +271,36 @@ def test_ddp_benchmark_reports_a_rank_that_ends_instead_of_waiting(tmp_path: Pat
         rank.receive()
     with pytest.raises(RuntimeError, match=expected):
         rank.send("go")  # writing to a rank that is gone reports its output too
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """Return each module of ``benchmarks/`` and the modules of ``benchmarks/`` it imports."""
+    modules = {path.stem: path for path in (ROOT / "benchmarks").glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                found.add(str(node.module).split(".")[-1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[-1] for a in node.names if a.name.startswith("benchmarks.")}
+        edges[name] = found & set(modules)
+    return edges
+
+
+def test_the_benchmarks_import_no_circle():
+    """A module of ``benchmarks/`` never imports one that imports it back (directly or not)."""
+    edges = _benchmark_imports()
+    circles = []
+    for start in edges:
+        stack = [(start, [start])]
+        while stack:
+            name, path = stack.pop()
+            for nxt in edges[name]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, nxt]))
+                elif nxt not in path:
+                    stack.append((nxt, [*path, nxt]))
+    assert circles == [], circles
