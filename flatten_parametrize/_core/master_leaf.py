@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIRTY", "WATCHED", "base_class", "is_master_class", "master_class"]
+__all__ = ["DIRTY", "WATCHED", "base_class", "master_class"]
 
 _DATA: Any = vars(torch._C.TensorBase)["data"]
 
@@ -62,11 +62,6 @@ def master_class(base: type) -> type:
         )
         _MASTER[base], _BASE[cls] = cls, base
     return cls
-
-
-def is_master_class(cls: type) -> bool:
-    """Return whether ``cls`` was made by :func:`master_class`."""
-    return cls in _BASE
 
 
 def base_class(cls: type) -> type:

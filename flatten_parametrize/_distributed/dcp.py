@@ -57,7 +57,15 @@ from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
 from .._core.on_import import is_ours, wrapper_of
 from .._state.attach_optim import own_format
-from .dcp_sharded import is_sharded, member_names, missing_state, state_by_name, state_for, tensor_names
+from .dcp_sharded import (
+    is_sharded,
+    joined_value,
+    member_names,
+    missing_state,
+    state_by_name,
+    state_for,
+    tensor_names,
+)
 from .sharded import ShardedOptimizer, init_state
 
 __all__ = ["WRAPPED", "patch"]
@@ -191,38 +199,10 @@ def _to_plain(osd: Any, flats: list[_Flat]) -> Any:
 # --------------------------------------------------------------------------- plain -> flat names
 def _flat_value(flat: _Flat, key: str, values: list[tuple[tuple[str, int, int, torch.Size], Any]]) -> Any:
     """Return one state value of ``flat`` from its members' (per-element joined; scalars equal)."""
-    if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape == m[3] for m, v in values):
-        first = values[0][1]
-        local = first.to_local() if is_distributed(first) else first
-        buffer = torch.zeros(flat.numel, dtype=first.dtype, device=local.device)
-        for (name, offset, numel, shape), value in values:
-            if not isinstance(value, Tensor) or value.shape != shape:
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(
-                    f"set_state_dict of a flattened model needs per-element optimizer state of the "
-                    f"parameter's shape; state {key!r} of {name} is {got}, the parameter {tuple(shape)}; "
-                    "load a checkpoint of this model's optimizer"
-                )
-            buffer.narrow(0, offset, numel).copy_(_full(value).detach().reshape(-1))
-        if is_distributed(first) and is_distributed(flat.flat):
-            return _shard_like(buffer, flat.flat)
-        return buffer
-    (first_name, *_), first = values[0]
-    for (name, *_), value in values[1:]:
-        same = (
-            isinstance(value, Tensor)
-            and isinstance(first, Tensor)
-            and value.shape == first.shape
-            and bool(torch.equal(_full(value).detach().cpu(), _full(first).detach().cpu()))
-        ) or (not isinstance(value, Tensor) and not isinstance(first, Tensor) and value == first)
-        if not same:
-            raise ValueError(
-                f"set_state_dict of a flattened model needs equal scalar optimizer state within a flat "
-                f"group; state {key!r} is {first!r} for {first_name} and {value!r} for {name}, both in "
-                f"{flat.fqn}; load a checkpoint whose parameters were stepped together, or give them "
-                "groups of their own (register_flat_storage(model, groups=...))"
-            )
-    return _copy(first)
+    value = joined_value(key, values, flat.numel, f", both in {flat.fqn}", _full)
+    if isinstance(value, Tensor) and is_distributed(values[0][1]) and is_distributed(flat.flat):
+        return _shard_like(value, flat.flat)
+    return value
 
 
 def _to_flat(osd: Any, flats: list[_Flat], strict: bool) -> Any:

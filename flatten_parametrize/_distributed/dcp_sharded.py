@@ -20,7 +20,7 @@ and the plain model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -31,7 +31,15 @@ from .shard import copy_value
 from .sharded import ShardedOptimizer, entries_of, init_state
 from .sharded_args import hyperparameters
 
-__all__ = ["is_sharded", "member_names", "missing_state", "state_by_name", "state_for", "tensor_names"]
+__all__ = [
+    "is_sharded",
+    "joined_value",
+    "member_names",
+    "missing_state",
+    "state_by_name",
+    "state_for",
+    "tensor_names",
+]
 
 #: One model tensor inside an entry: its DCP name, where it starts in the entry, its numel and shape.
 _Member = tuple[str, int, int, tuple[int, ...]]
@@ -152,37 +160,62 @@ def _joined(
     keys = [k for entry in found.values() for k in entry]
     for key in dict.fromkeys(keys):
         values = [(m, found[m[0]][key]) for m in members if key in found.get(m[0], {})]
-        if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape == torch.Size(m[3]) for m, v in values):
-            first = values[0][1]
-            buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
-            for (name, start, n, member_shape), value in values:
-                if not isinstance(value, Tensor) or value.shape != torch.Size(member_shape):
-                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"set_state_dict of a flattened model needs per-element optimizer state of the "
-                        f"parameter's shape; state {key!r} of {name} is {got}, the parameter "
-                        f"{tuple(member_shape)}; load a checkpoint of this model's optimizer"
-                    )
-                buffer[start : start + n].copy_(value.detach().reshape(-1))
-            out[key] = buffer.reshape(shape)
-            continue
-        (first_name, *_), first = values[0]
-        for (name, *_), value in values[1:]:
-            same = (
-                isinstance(value, Tensor)
-                and isinstance(first, Tensor)
-                and value.shape == first.shape
-                and bool(torch.equal(value.detach().cpu(), first.detach().cpu()))
-            ) or (not isinstance(value, Tensor) and not isinstance(first, Tensor) and value == first)
-            if not same:
-                raise ValueError(
-                    f"set_state_dict of a flattened model needs equal scalar optimizer state within a flat "
-                    f"group; state {key!r} is {first!r} for {first_name} and {value!r} for {name}; load a "
-                    "checkpoint whose parameters were stepped together, or give them groups of their own "
-                    "(register_flat_storage(model, groups=...))"
-                )
-        out[key] = copy_value(first)
+        value = joined_value(key, values, numel, "")
+        out[key] = value.reshape(shape) if isinstance(value, Tensor) and value.dim() == 1 else value
     return out
+
+
+def joined_value(
+    key: str,
+    values: Sequence[tuple[_Member, Any]],
+    numel: int,
+    where: str,
+    full: Callable[[Tensor], Tensor] = Tensor.detach,
+) -> Any:
+    """Return one state value of ``numel`` elements from its members' (``(member, value)`` pairs).
+
+    Per-element values (each of its member's shape) are joined into one new flat tensor, zeros
+    between them; a scalar (a number, a zero-dimensional tensor) must be the same for every member.
+
+    Args:
+        key: the state's name (for the errors).
+        values: each member ``(name, offset, numel, shape)`` and its value.
+        numel: the size of the joined tensor.
+        where: what holds the members (for the error), e.g. ``", both in flat_param_0"``.
+        full: gives a value's whole tensor (a ``DTensor``'s ``full_tensor()``).
+
+    Raises:
+        ValueError: for a per-element value of another shape than its member's, or unequal scalars.
+    """
+    if any(isinstance(v, Tensor) and v.dim() > 0 and v.shape == torch.Size(m[3]) for m, v in values):
+        first = values[0][1]  # a DTensor's device and dtype are its local tensor's
+        buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        for (name, start, n, member_shape), value in values:
+            if not isinstance(value, Tensor) or value.shape != torch.Size(member_shape):
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(
+                    f"set_state_dict of a flattened model needs per-element optimizer state of the "
+                    f"parameter's shape; state {key!r} of {name} is {got}, the parameter "
+                    f"{tuple(member_shape)}; load a checkpoint of this model's optimizer"
+                )
+            buffer[start : start + n].copy_(full(value).detach().reshape(-1))
+        return buffer
+    (first_name, *_), first = values[0]
+    for (name, *_), value in values[1:]:
+        same = (
+            isinstance(value, Tensor)
+            and isinstance(first, Tensor)
+            and value.shape == first.shape
+            and bool(torch.equal(full(value).detach().cpu(), full(first).detach().cpu()))
+        ) or (not isinstance(value, Tensor) and not isinstance(first, Tensor) and value == first)
+        if not same:
+            raise ValueError(
+                f"set_state_dict of a flattened model needs equal scalar optimizer state within a flat "
+                f"group; state {key!r} is {first!r} for {first_name} and {value!r} for {name}{where}; load "
+                "a checkpoint whose parameters were stepped together, or give them groups of their own "
+                "(register_flat_storage(model, groups=...))"
+            )
+    return copy_value(first)
 
 
 def missing_state(name: str) -> RuntimeError:

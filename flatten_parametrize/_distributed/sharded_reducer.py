@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Pending", "Reducer", "ready_hook"]
 
+
 class Pending(NamedTuple):
     """A reduction in flight."""
 
