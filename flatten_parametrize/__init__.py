@@ -16,7 +16,7 @@ re-exported here). Dependencies run one way, downwards in this list, and
 * ``_distributed/``: gradient sync and ``ShardedOptimizer`` with its
   checkpoints, and what lets ``torch.distributed.checkpoint`` and Lightning's
   checkpoints see a flattened storage as the plain model (wrappers that
-  ``_outside.py`` installs); ``_features/``: disk backing, ensembles and
+  ``_outside/registry.py`` installs); ``_features/``: disk backing, ensembles and
   mixed precision;
   ``_inspect/``: summary, repr and plot. Each uses ``_core`` (and
   ``_distributed`` uses ``_state``), never ``_install`` or each other;
@@ -36,7 +36,7 @@ re-exported here). Dependencies run one way, downwards in this list, and
   leaves of the other mode), the wrappers of timm's decay rule and torchao's
   module swaps, and what runs a wrapper when its outside module is imported.
 
-``_outside.py``, beside this file, lists every function of outside code that the
+``_outside/registry.py``, beside this file, lists every function of outside code that the
 package wraps (DCP's, FSDP's and Lightning's wrappers live in ``_distributed/``)
 and wraps them, called once below.
 """
@@ -45,15 +45,15 @@ from ._api import get_flat_storage, register_flat_storage, remove_flat_storage
 from ._core.flat_parameter import FlatParameter
 from ._decay import weight_decay_groups
 from ._distributed.sharded import ShardedOptimizer
-from ._outside import wrap_outside_code as _wrap_outside_code
+from ._outside.registry import wrap_outside_code as _wrap_outside_code
 from ._state.attach_optim import OptimizerAttachment
 from ._state.optim import flat_optim_state_dict, plain_optim_state_dict
 from ._storage import FlatStorage, ParamInfo
 
 __version__ = "0.1.0.dev0"
 
-# The functions of DCP, FSDP, Lightning, timm and torchao that _outside.py lists, each wrapped when its
-# module is imported; FLATTEN_PARAMETRIZE_NO_PATCHES=1 leaves them all out (docs/outside-code.md).
+# The functions of DCP, FSDP, Lightning, timm and torchao that _outside/registry.py lists, each wrapped
+# when its module is imported; FLATTEN_PARAMETRIZE_NO_PATCHES=1 leaves them all out (docs/outside-code.md).
 _wrap_outside_code()
 
 __all__ = [

@@ -7,10 +7,10 @@ import math
 from torch import nn
 
 from ._core.names import registered_storage
-from ._features.mixed_precision import MixedPrecision, MixedPrecisionArg, resolve_policies
+from ._features.mixed_precision.feature import MixedPrecision, MixedPrecisionArg, resolve_policies
+from ._guards.left_out import registered
 from ._install.coordinator import StorageCore
 from ._install.grouping import GroupsArg, bucket_groups, resolve_groups
-from ._install.left_out import registered
 from ._install.lifecycle import build_storage, remove_storage
 from ._install.reuse import check_same_layout
 from ._install.wrappers import registration_target, strip_prefix

@@ -26,13 +26,13 @@ from ._core.flat_parameter import FlatParameter
 from ._core.records import ParamInfo
 from ._distributed.grad_sync import GradSync
 from ._features.functional import Functional, StackedTensors
-from ._features.mixed_precision import MixedPrecision
+from ._features.mixed_precision.feature import MixedPrecision
 from ._features.offload import DiskOffload
+from ._guards.left_out import say_left_out
 from ._inspect.plot import plot_layout
 from ._inspect.summary import storage_html, storage_repr, summary_table
 from ._install.coordinator import FlatTensors, StorageCore
 from ._install.leaf_writes import settle
-from ._install.left_out import say_left_out
 from ._state.attach_optim import OptimizerAttachment, attach_optimizer
 
 if TYPE_CHECKING:

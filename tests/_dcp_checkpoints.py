@@ -28,7 +28,7 @@ from torch import nn
 
 import flatten_parametrize
 from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
-from flatten_parametrize._core.on_import import is_ours
+from flatten_parametrize._outside.on_import import is_ours
 
 DCP_BEFORE = "torch.distributed.checkpoint.state_dict" in sys.modules  # False: the post-import wrap runs
 

@@ -150,7 +150,7 @@ def _recipe(timm_optim: Any) -> dict[str, Any]:
 def _wrapper(module: Any) -> dict[str, Any]:
     """timm's ``param_groups_weight_decay`` as the package wraps it: the original's face and result, and a
     user's own wrapper of it, put after or before the package's, called with the package's warning."""
-    from flatten_parametrize._outside import OUTSIDE
+    from flatten_parametrize._outside.registry import OUTSIDE
 
     wrapped = module.param_groups_weight_decay
     original = wrapped.__wrapped__
@@ -205,8 +205,8 @@ def main(folder: str, out: str) -> None:
     import timm
     import timm.optim as timm_optim
 
-    from flatten_parametrize._core.on_import import is_ours
-    from flatten_parametrize._outside import switched_off
+    from flatten_parametrize._outside.on_import import is_ours
+    from flatten_parametrize._outside.registry import switched_off
 
     rule = sys.modules["timm.optim._param_groups"]
     wrapped = {"wrapped": is_ours(rule.param_groups_weight_decay), "timm": timm.__version__}

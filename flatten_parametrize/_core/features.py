@@ -7,7 +7,7 @@ private core through ``records.Coordinator``.) The features are gradient sync
 (``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``Member``
 (``_distributed/sharded_feature.py``), disk backing (``_features/offload.py``) and
 ensembles (``_features/functional.py``) and mixed precision
-(``_features/mixed_precision.py``); each owns its state, holds the core
+(``_features/mixed_precision/feature.py``); each owns its state, holds the core
 weakly, and reads nothing of another feature (``tests/guarantees/test_structure.py``
 checks their imports). The seams, all of them:
 

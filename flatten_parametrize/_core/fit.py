@@ -16,10 +16,14 @@ from typing import Any
 from torch import Tensor, nn
 
 from .foreign import is_distributed
-from .master_leaf import base_class
 from .names import dtype_name
 
-__all__ = ["misfit"]
+__all__ = ["MADE_OF", "misfit"]
+
+#: Classes a feature made of ``Tensor`` or ``nn.Parameter`` whose tensors still live in a flat buffer, and
+#: the class each was made of (per-tensor mode's masters under a policy register theirs:
+#: ``_features/mixed_precision/master_leaf.py``).
+MADE_OF: dict[type, type] = {}
 
 
 def misfit(value: Any, flat: Tensor) -> str | None:
@@ -33,7 +37,7 @@ def misfit(value: Any, flat: Tensor) -> str | None:
     """
     if not isinstance(value, Tensor) or is_distributed(value):
         return None
-    if base_class(type(value)) not in (Tensor, nn.Parameter):  # per-tensor mode's masters: their own class
+    if MADE_OF.get(type(value), type(value)) not in (Tensor, nn.Parameter):
         name = type(value).__name__
         article = "an" if name[:1].lower() in "aeiou" else "a"
         return f"{article} {name} (a tensor subclass)"

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from .compiling import never_traced
-from .decay_check import watch_optimizers
 from .grad import BASE_GRAD, GroupGrad, set_grad
 
 __all__ = ["FlatParameter", "allow_weights_only_loads", "serve"]
@@ -123,7 +122,6 @@ class FlatParameter(nn.Parameter):
             data = data.detach()
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self._set_layout(names, shapes, numels, offsets)
-        watch_optimizers(FlatParameter)  # decay rules by p.dim() or name: warn before a step that differs
         return self
 
     def _set_layout(

@@ -256,7 +256,7 @@ class LeafGrads:
     ) -> list[Tensor | None]:
         """Return the members' gradients in the master dtype; each in its slot where the slot is free.
 
-        The backward of per-tensor mixed precision (``_features/mixed_precision_leaves.py``): the
+        The backward of per-tensor mixed precision (``_features/mixed_precision/leaves.py``): the
         compute views' gradients (``param_dtype``) become the leaves' (the flat gradient's dtype).
         A leaf whose ``.grad`` is ``None``, whose accumulation this backward will run and whose slot
         no backward has filled yet gets its gradient converted straight into its slot of the flat

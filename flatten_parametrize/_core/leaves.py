@@ -3,7 +3,7 @@
 An optimizer built over the leaf parameters (inside ``unflattened()``, or over
 ``model.parameters()`` taken before registering) and stepped while the storage
 is in flat mode would step nothing: the leaves get no gradient there. The
-optimizer step check (``step_checks.py``) looks its parameters up here by
+optimizer step check (``_guards/step_checks.py``) looks its parameters up here by
 ``id``; an entry counts only while its storage is alive and still holds that
 very object in a slot (an ``id`` is reused once its object is gone). The
 registry holds no reference to the leaves, not even a weak one: a tensor with

@@ -77,3 +77,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 def alias_label(name: str, aliases: tuple[str, ...]) -> str:
     """Return ``name`` followed by the other names of a tied parameter, for tables and plots."""
     return name + (f" (= {', '.join(aliases)})" if aliases else "")
+
+
+#: The attribute that marks the class the library injects (``_install/module_classes.py``).
+CLASS_MARKER = "_flat_parametrize_class"
+
+
+def base_of(module: nn.Module) -> type:
+    """Return the class just above the library's injected class in ``module``'s MRO."""
+    mro = type(module).__mro__
+    for i, klass in enumerate(mro):
+        if klass.__dict__.get(CLASS_MARKER, False):
+            return mro[i + 1]
+    return type(module)

@@ -7,7 +7,7 @@ registered on a module since, one that left its storage (another dtype, a
 quantized tensor). Gradient sync and ``ShardedOptimizer`` average them as DDP
 does (``_distributed/outside_params.py``); the storage's whole-buffer calls
 leave them out and say so for those that came after registration
-(``_install/left_out.py``). :data:`GENERATION` moves at every parameter or
+(``_guards/left_out.py``). :data:`GENERATION` moves at every parameter or
 submodule registration anywhere (torch's global registration hooks,
 :func:`watch_registrations`), so that a walk over a module is done again only
 after one. A parameter put straight into a module's ``_parameters`` dict calls

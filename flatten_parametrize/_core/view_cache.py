@@ -92,7 +92,7 @@ def same_memory(a: Tensor, b: Tensor) -> bool:
 class ViewSource(Protocol):
     """Where a feature serves a group's views from instead of the flat tensor (``GroupViews.source``).
 
-    E.g. a low-precision compute copy (``_features/mixed_precision.py``). Its
+    E.g. a low-precision compute copy (``_features/mixed_precision/feature.py``). Its
     memory is not the flat tensor's, so what is written into the views must be
     landed in the flat tensor by the source, and what is written into the flat
     tensor behind its version counter must reach the source.

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, registered_storage
+from .._core.names import MODULE_STATE_ATTR, UNFLATTENED, base_of, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import atomically
 from . import surgery
 from .coordinator import StorageCore
-from .module_classes import base_of, clone_class, is_shared
+from .module_classes import clone_class, is_shared
 from .pickling import copy_alone
 
 __all__ = ["deepcopy_module"]

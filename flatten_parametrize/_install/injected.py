@@ -13,7 +13,8 @@ after every module is imported, so no import order decides what a class gets.
 
 from __future__ import annotations
 
-from . import copying, dead_space, leaf_writes, module_classes, pickling, rehost, relayout, submodule_walks
+from .._guards import submodule_walks
+from . import copying, dead_space, leaf_writes, module_classes, pickling, rehost, relayout
 from .coordinator import FlattenStep, use_flatten_steps
 from .module_classes import Methods, use_methods
 

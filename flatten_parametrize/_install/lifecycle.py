@@ -22,6 +22,7 @@ from .._core.layout import plan_group
 from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Slot
 from .._core.transaction import Transaction, atomically
+from .._guards.decay_check import watch_optimizers
 from . import surgery
 from .coordinator import StorageCore
 from .grouping import GroupSpec
@@ -141,6 +142,8 @@ def install_storage(core: StorageCore, tx: Transaction | None = None) -> None:
 
     As part of ``tx`` if given, else on its own.
     """
+
+    watch_optimizers(FlatParameter)  # the user's optimizers checked before their steps (_guards/)
 
     def change(tx: Transaction) -> None:
         surgery.install(core, tx)

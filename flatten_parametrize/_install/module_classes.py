@@ -28,7 +28,7 @@ from .._core.attribute import make_property
 from .._core.features import in_flat_mode
 from .._core.flat_parameter import FlatParameter
 from .._core.foreign import is_fsdp2_compute_param
-from .._core.names import MODULE_STATE_ATTR, registered_storage
+from .._core.names import CLASS_MARKER, MODULE_STATE_ATTR, base_of, registered_storage
 from .._core.records import ModuleState
 from .._core.writes import check_flat_replacement, land_parameter
 from .._state.state_dict import alias_unflattened, load_atomically, load_module, save_module
@@ -52,20 +52,11 @@ __all__ = [
     "use_methods",
 ]
 
-_MARKER = "_flat_parametrize_class"
+_MARKER = CLASS_MARKER
 #: Marks a class that :func:`make_class` shares between the registered modules of one class.
 _SHARED_MARKER = "_flat_parametrize_shared"
 #: The shared class of each original class (see :func:`make_class`).
 _SHARED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-
-
-def base_of(module: nn.Module) -> type:
-    """Return the class just above the library's injected class in ``module``'s MRO."""
-    mro = type(module).__mro__
-    for i, klass in enumerate(mro):
-        if klass.__dict__.get(_MARKER, False):
-            return mro[i + 1]
-    return type(module)
 
 
 def _super(module: nn.Module) -> Any:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from .._core.features import layout_holders
 from .._core.fit import misfit
-from .._core.plain_calls import current_call
+from .._core.outside_call import current_call
 from . import surgery
 from .coordinator import StorageCore
 from .relayout import held_names, relayout_flat

@@ -48,7 +48,7 @@ from .._core.features import refuse_held_layout
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
 from .._core.grad import set_grad
-from .._core.names import MODULE_STATE_ATTR, registered_storage
+from .._core.names import MODULE_STATE_ATTR, base_of, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import Transaction, atomically
 from .._core.view_cache import same_memory
@@ -59,7 +59,6 @@ from .coordinator import StorageCore
 from .grouping import resolve_groups
 from .leaf_writes import keep_leaf_state
 from .lifecycle import build_storage, remove_in, remove_storage
-from .module_classes import base_of
 
 __all__ = [
     "get_parameter",

@@ -223,7 +223,7 @@ def attachment_of(optimizer: Any) -> OptimizerAttachment | None:
 def own_format(optimizer: Any) -> Iterator[None]:
     """Inside the block, ``optimizer.state_dict()`` gives its own (flat) format even if it is attached.
 
-    For code that converts names itself (``_distributed/dcp.py``); a no-op for an
+    For code that converts names itself (``_outside/dcp.py``); a no-op for an
     optimizer that is not attached.
     """
     attachment = attachment_of(optimizer)

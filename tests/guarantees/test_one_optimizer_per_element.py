@@ -2,7 +2,7 @@
 
 In per-tensor mode the flat parameters (``storage.flat_params``) and the leaves
 (``model.parameters()``) are the same memory, so an optimizer over each steps
-that memory twice. ``_core/step_checks.py`` records what each optimizer steps
+that memory twice. ``_guards/step_checks.py`` records what each optimizer steps
 at its first step and warns there, before the second optimizer changes
 anything; the legitimate setups stay silent. And the recipe the docs give:
 ``AdamW(storage.flat_params)`` alone in per-tensor mode is the plain model's AdamW.

@@ -2,6 +2,8 @@
 
 - no import cycle between modules (type-only and function-local imports included);
 - dependencies between sub-packages run one way (the layering in ``flatten_parametrize/__init__.py``);
+  the core is the storage and nothing else: it names no outside library; only the package's front door
+  imports the wing of outside code; mixed precision lives in one folder;
 - no private name imported across sub-packages;
 - features meet only on ``_core``'s seams: none imports another's modules, none imports a private name;
 - no mixins, and no module but the coordinator's own reads its private attributes;
@@ -46,10 +48,13 @@ PACKAGE = Path(flatten_parametrize.__file__).parent
 MAY_IMPORT: dict[str, set[str]] = {
     "_core": set(),
     "_state": {"_core"},
-    "_install": {"_core", "_state"},
+    "_guards": {"_core"},
+    "_install": {"_core", "_state", "_guards"},
     "_distributed": {"_core", "_state"},
     "_features": {"_core"},
     "_inspect": {"_core"},
+    # every wrapper of someone else's code: it reaches the others, only the front door reaches it
+    "_outside": {"_core", "_state", "_guards", "_install", "_distributed", "_features"},
 }
 
 # ----------------------------------------------------------------------------------- the checker
@@ -448,6 +453,46 @@ def test_the_package_has_no_import_cycle():
     assert cycles == [], f"import cycles: {cycles}"
 
 
+#: Libraries the core never names: their wrappers live in ``_outside/``.
+OUTSIDE_LIBRARIES = (
+    "timm", "torchao", "lightning", "pytorch_lightning", "transformers", "peft", "accelerate", "deepspeed",
+    "fairscale", "torchtune", "safetensors", "tensordict", "opacus",
+)  # fmt: skip
+
+
+def test_the_core_names_no_outside_library():
+    """No module of ``_core`` imports an outside library or names one of its modules (``'timm.optim...'``)."""
+    pattern = re.compile(rf"^({'|'.join(OUTSIDE_LIBRARIES)})(\.|$)")
+    named = sorted(
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        if name.startswith("_core.")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Import) and any(pattern.match(a.name) for a in node.names))
+        or (isinstance(node, ast.ImportFrom) and pattern.match(node.module or ""))
+        or (isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value))
+    )
+    assert named == [], f"the core names outside libraries: {named}"
+
+
+def test_only_the_front_door_imports_the_wing_of_outside_code():
+    """``flatten_parametrize/__init__.py`` imports ``_outside``; no other module outside it does."""
+    importers = sorted({imp.importer for imp in IMPORTS if imp.target.split(".")[0] == "_outside"})
+    assert [i for i in importers if not i.startswith("_outside.")] == ["__init__"], importers
+
+
+def test_mixed_precision_lives_in_one_folder():
+    """Every module of the policy (the feature, its per-tensor views, the master leaf) is in its folder."""
+    scattered = [
+        name
+        for name in MODULES
+        if any(part in name for part in ("mixed_precision", "master_leaf"))
+        and not name.startswith("_features.mixed_precision")
+    ]
+    assert scattered == [], scattered
+    assert {"_features.mixed_precision.feature", "_features.mixed_precision.master_leaf"} <= set(MODULES)
+
+
 def test_sub_packages_import_only_downwards():
     """Each sub-package imports only its own modules and the sub-packages below it (see ``__init__``)."""
     violations = layering_violations(MODULES, IMPORTS)
@@ -567,8 +612,8 @@ CONCERNS = {
     "load_gathered": "_distributed.sharded_state",
     "local_state_dict": "_distributed.sharded_state",
     "load_local_parts": "_distributed.sharded_state",
-    "state_by_name": "_distributed.dcp_sharded",
-    "state_for": "_distributed.dcp_sharded",
+    "state_by_name": "_outside.dcp_sharded",
+    "state_for": "_outside.dcp_sharded",
     "Collectives": "_distributed.sharded_collectives",
 }
 

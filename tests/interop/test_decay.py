@@ -18,7 +18,7 @@ from flatten_parametrize import (
     register_flat_storage,
     weight_decay_groups,
 )
-from flatten_parametrize._core import decay_check
+from flatten_parametrize._guards import decay_check
 
 from _helpers import assert_same_values, train_steps, twin
 from _hf import gpt2, lm_dataset, lm_loss, losses, tokens, training_args

@@ -40,7 +40,7 @@ def test_original_tensors_live_in_the_flat_buffer(name: str):
     assert [info.name for info in storage.param_infos] == originals
     assert [n for n, _ in layer.named_parameters()] == ["flat_param_0"]
     said = r"a submodule's parameters\(\) in flat mode .*'parametrizations.weight'"
-    with pytest.warns(UserWarning, match=said):  # slices, said (_install/submodule_walks.py)
+    with pytest.warns(UserWarning, match=said):  # slices, said (_guards/submodule_walks.py)
         assert list(layer.parametrizations.weight.parameters()) == []
     flat = storage["0"]
     start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()

@@ -71,7 +71,7 @@ SWAPS: dict[str, tuple[str, Callable[[nn.Module], Any]]] = {
     "float8": ("torchao's convert_to_float8_training", convert_to_float8_training),
 }
 HOLDERS = ["offload", "sharded_optimizer", "stacks"]
-#: torch's hook-based reparametrizations (``_core/torch_renames.py``): the name in the refusal, the call.
+#: torch's hook-based reparametrizations (``_outside/torch_renames.py``): the name in the refusal, the call.
 RENAMES: dict[str, tuple[str, Callable[[nn.Module], Any]]] = {
     "weight_norm": ("torch.nn.utils.weight_norm", lambda m: torch.nn.utils.weight_norm(m[0])),
     "spectral_norm": ("torch.nn.utils.spectral_norm", lambda m: torch.nn.utils.spectral_norm(m[0])),

@@ -24,7 +24,7 @@ from torch_ema import ExponentialMovingAverage
 
 from flatten_parametrize import register_flat_storage
 from flatten_parametrize._core.view_cache import WRITE_SCANS
-from flatten_parametrize._features.mixed_precision import CASTS
+from flatten_parametrize._features.mixed_precision.feature import CASTS
 
 from _helpers import cast_per_forward, twin
 

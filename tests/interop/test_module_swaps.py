@@ -7,7 +7,7 @@ calls it through its ``TorchSyncBatchNorm`` plugin when fitting starts, and the 
 'torch.FloatTensor' as parameter 'weight'". ``torch.ao.quantization.fuse_modules`` looks its
 fuser up by exact module class and failed with "NotImplementedError: Cannot fuse eval modules".
 Each runs here with the real library on a flattened model and on its plain twin from the same
-seed (``_core/module_swaps.py``): classes, state-dict keys, outputs and training are the plain
+seed (``_outside/module_swaps.py``): classes, state-dict keys, outputs and training are the plain
 twin's, in flat and in per-tensor mode, and a parameter that moved keeps its slot.
 
 A ``SyncBatchNorm`` computes as a ``BatchNorm`` without a process group (and refuses CPU

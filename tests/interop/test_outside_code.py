@@ -1,4 +1,4 @@
-"""What importing the package changes outside it: each wrapper of ``flatten_parametrize/_outside.py``.
+"""What importing the package changes outside it: each wrapper that ``_outside/registry.py`` lists.
 
 With the real libraries (torch's DCP and FSDP, Lightning, torchao; timm in
 ``tests/interop/test_timm.py``, which runs it in a subprocess): every function listed is wrapped
@@ -33,8 +33,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import OptimStateKeyType
 
 from flatten_parametrize import register_flat_storage
-from flatten_parametrize._core.on_import import is_ours
-from flatten_parametrize._outside import OUTSIDE, SWITCH, OutsideWrapper, switched_off
+from flatten_parametrize._outside.on_import import is_ours
+from flatten_parametrize._outside.registry import OUTSIDE, SWITCH, OutsideWrapper, switched_off
 
 from _helpers import mlp
 
@@ -496,8 +496,8 @@ def test_the_switch_is_read_as_set_unless_empty_or_zero(monkeypatch: pytest.Monk
 _PROBE = """
 import importlib, json, operator, sys
 import flatten_parametrize
-from flatten_parametrize._core.on_import import is_ours
-from flatten_parametrize._outside import OUTSIDE
+from flatten_parametrize._outside.on_import import is_ours
+from flatten_parametrize._outside.registry import OUTSIDE
 finders = [type(f).__module__ for f in sys.meta_path if type(f).__module__.startswith("flatten_parametrize")]
 wrapped = {}
 for wrapper in OUTSIDE:

@@ -1,4 +1,4 @@
-"""The frameworks that walk submodules of a flattened model say nothing new (``_install/submodule_walks.py``).
+"""The frameworks that walk submodules of a flattened model say nothing new (``_guards/submodule_walks.py``).
 
 transformers, Lightning, DDP, FSDP2 and accelerate call ``parameters()`` and co. on the
 submodules of the models they get, for their own bookkeeping (Lightning's model summary, FSDP2's

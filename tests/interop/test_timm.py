@@ -92,7 +92,7 @@ def test_the_weight_decay_recipe_with_timm_decays_the_plain_models_tensors_silen
 def test_the_wrapped_rule_is_timms_with_its_face_and_result_on_a_plain_model(
     timm_results: dict[str, Any],
 ) -> None:
-    """flatten_parametrize/_outside.py wraps param_groups_weight_decay: name, docstring, signature kept."""
+    """_outside/registry.py wraps param_groups_weight_decay: its name, docstring and signature kept."""
     assert timm_results["wrapped"] is True
     wrapper = timm_results["wrapper"]
     ours, timms = wrapper["face"]

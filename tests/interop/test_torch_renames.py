@@ -1,4 +1,4 @@
-"""torch's weight_norm, spectral_norm, pruning and parametrizations on a flattened model (_core/torch_renames)
+"""torch's weight_norm, spectral_norm, pruning and parametrizations on a flattened model (_outside/)
 
 ``torch.nn.utils.weight_norm`` / ``spectral_norm`` (the forward-pre-hook versions),
 ``torch.nn.utils.prune`` and ``torch.nn.utils.parametrize`` (behind ``torch.nn.utils.parametrizations``)

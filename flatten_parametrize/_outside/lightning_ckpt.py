@@ -1,7 +1,7 @@
 """Lightning's single-file (``save_distributed_checkpoint=False``) checkpoints of flattened models.
 
 Lightning's ``ModelParallelStrategy`` saves a full checkpoint through DCP (``get_model_state_dict``
-and ``get_optimizer_state_dict`` with ``full_state_dict=True``, which ``_distributed/dcp.py`` keys by
+and ``get_optimizer_state_dict`` with ``full_state_dict=True``, which ``_outside/dcp.py`` keys by
 the plain model's names), then finds the model's parameters by walking the module itself:
 
 * saving (``lightning.pytorch``, rank 0): ``FSDP.rekey_optim_state_dict(osd, PARAM_ID, model)``
@@ -14,7 +14,7 @@ the plain model's names), then finds the model's parameters by walking the modul
   broadcast from rank 0 with ``set_model_state_dict``: ``model.flat_param_0`` is not in a checkpoint
   written in the plain names.
 
-:func:`patch_fsdp` and :func:`patch_lightning` wrap them (``flatten_parametrize/_outside.py`` lists
+:func:`patch_fsdp` and :func:`patch_lightning` wrap them (``flatten_parametrize/_outside/registry.py`` lists
 them and runs these when their modules are imported, now or later): the re-keying of a
 model with a flattened storage numbers the plain model's parameters in the plain model's
 ``named_parameters()`` order (so the file is the plain twin's, loadable in either form), and the
@@ -33,8 +33,8 @@ from typing import Any, Callable
 from torch import nn
 
 from .._core.names import flat_param_name, registered_storage
-from .._core.on_import import is_ours, wrapper_of
 from .._state.optim import plain_parameter_names
+from .on_import import is_ours, wrapper_of
 
 __all__ = ["patch_fsdp", "patch_lightning"]
 

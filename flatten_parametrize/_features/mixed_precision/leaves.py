@@ -35,7 +35,7 @@ and puts the leaf back after it (also when the forward raised):
 * When the copy is cast: at each forward, each group's leaves' ``_version``
   (and the flat parameter's) are compared with those at its last cast, and
   the leaves whose ``.data`` was read or that a fused step updated (neither
-  moves a version counter: ``_core/master_leaf.py``) are looked up. One cast
+  moves a version counter: ``master_leaf.py``) are looked up. One cast
   per group after a change, none for a forward when nothing changed.
 * Under ``torch.compile`` and tracing the swap puts ``leaf.to(param_dtype)`` in
   the leaf's place: the cast is part of the graph, nothing is cached. A tensor
@@ -53,12 +53,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._core.compiling import compiling_or_tracing
-from .._core.grad import GroupGrad
-from .._core.leaf_grads import process_group_exists
-from .._core.master_leaf import DIRTY, WATCHED, base_class, master_class
-from .._core.records import Coordinator, Group
-from .._core.transaction import Transaction
+from ..._core.compiling import compiling_or_tracing
+from ..._core.grad import GroupGrad
+from ..._core.leaf_grads import process_group_exists
+from ..._core.records import Coordinator, Group
+from ..._core.transaction import Transaction
+from .master_leaf import DIRTY, WATCHED, base_class, master_class
 
 __all__ = ["LeafCompute"]
 

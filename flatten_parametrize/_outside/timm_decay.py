@@ -6,12 +6,12 @@ parameters and ``.bias`` names on the side without decay. On a flattened
 model every flat parameter is one-dimensional, so nothing decays, not even
 the matrices the plain model decays. timm 1.0.31 then drops the empty decay
 group and builds the optimizer with ``weight_decay=0``: the optimizer keeps
-no trace of the decay asked for, so the step check of ``decay_check.py``
+no trace of the decay asked for, so the step check of ``_guards/decay_check.py``
 cannot see it. This wrapper looks where the rule is applied: it warns (the
 rule, the tensors, the fix) when ``weight_decay > 0`` was asked for a module
 whose flat parameters (in flat mode) hold matrices that then get no decay.
 :func:`patch` wraps ``timm.optim._param_groups.param_groups_weight_decay``
-and the modules that imported it by name (``flatten_parametrize/_outside.py``
+and the modules that imported it by name (``flatten_parametrize/_outside/registry.py``
 lists it and runs it as soon as timm's optimizer package is imported).
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .flat_parameter import FlatParameter
+from .._core.flat_parameter import FlatParameter
 from .on_import import is_ours, wrapper_of
 
 __all__ = ["patch"]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .leaves import slot_of_leaf, storage_of_leaf
+from .._core.leaves import slot_of_leaf, storage_of_leaf
 
 __all__ = ["ELEMENTWISE", "check_modes", "elementwise_warning", "forget_optimizer", "twice_warning"]
 

@@ -2,7 +2,7 @@
 
 Under a mixed-precision policy, per-tensor mode's leaves are the float32
 masters and each forward computes with a low-precision compute copy cast from
-them (``_features/mixed_precision_leaves.py``). In-place updates move a leaf's
+them (``leaves.py``). In-place updates move a leaf's
 ``_version``, so the copy is cast again after them; a write through ``.data``
 (EMA libraries, hand-written steps, init helpers: ``p.data.mul_(0.5)``) moves
 no version counter. While per-tensor mode lasts, such a leaf's class is a
@@ -20,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..._core.fit import MADE_OF
 
 __all__ = ["DIRTY", "WATCHED", "base_class", "master_class"]
 
@@ -61,6 +63,7 @@ def master_class(base: type) -> type:
             },
         )
         _MASTER[base], _BASE[cls] = cls, base
+        MADE_OF[cls] = base  # it lives in a flat buffer as its base does (``_core/fit.py``)
     return cls
 
 

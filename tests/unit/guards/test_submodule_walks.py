@@ -2,7 +2,7 @@
 
 In flat mode ``model.fc1.requires_grad_(False)`` and optimizer groups built from
 ``model.fc1.parameters()`` reach none of fc1's weights (slices of the flat parameter): a
-warning with the per-tensor recipe, once per storage and method (``_install/submodule_walks.py``).
+warning with the per-tensor recipe, once per storage and method (``_guards/submodule_walks.py``).
 GaLore-style groups from ``module.weight`` and torch's Muon docstring split fail with torch's own
 messages (``docs/troubleshooting.md`` keys entries by them). Each case is checked against a plain
 twin from the same seed: the trap is reproduced, and the recipe (``storage.unflatten()``) gives the

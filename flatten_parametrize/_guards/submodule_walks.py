@@ -31,9 +31,8 @@ from typing import Any
 from torch import nn
 
 from .._core.caller import called_from_user_code
-from .._core.names import MODULE_STATE_ATTR, registered_storage
+from .._core.names import MODULE_STATE_ATTR, base_of, registered_storage
 from .._core.records import Coordinator, ModuleState
-from .module_classes import base_of
 
 __all__ = ["named_parameters", "parameters", "requires_grad_"]
 

@@ -17,7 +17,6 @@ nested in a wrapped one runs as is.
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -26,11 +25,12 @@ from typing import Any, Callable
 
 from torch import nn
 
-from .features import refuse_held_layout
-from .names import library_state, registered_storage
+from .._core import outside_call
+from .._core.features import refuse_held_layout
+from .._core.names import library_state, registered_storage
 from .on_import import is_ours, wrapper_of
 
-__all__ = ["Methods", "current_call", "flat_storages_in", "on_plain_model", "wrap_methods"]
+__all__ = ["Methods", "flat_storages_in", "on_plain_model", "wrap_methods"]
 
 #: module -> ``(class or "" for the module itself, function, the entry point as users call it)`` of each
 #: function to run on the plain model.
@@ -38,13 +38,6 @@ Methods = Mapping[str, tuple[tuple[str, str, str], ...]]
 
 #: The start of the dead-space warning of ``_install/dead_space.py``.
 _DEAD_SPACE = "a submodule replaced after registration leaves"
-#: Depth of wrapped calls running in this thread (a nested one runs as is), and the outermost one.
-_running = threading.local()
-
-
-def current_call() -> str | None:
-    """Return the entry point (as users call it) running on the plain model in this thread, if any."""
-    return getattr(_running, "what", None) if getattr(_running, "depth", 0) else None
 
 
 def flat_storages_in(model: Any) -> list[Any]:
@@ -81,26 +74,19 @@ def on_plain_model(
     """
 
     def on_the_plain_model(*args: Any, **kwargs: Any) -> Any:
-        depth = getattr(_running, "depth", 0)
         model = args[model_at] if len(args) > model_at else kwargs.get("model", kwargs.get("module"))
-        storages = [] if depth else flat_storages_in(model)
+        storages = [] if outside_call.depth() else flat_storages_in(model)
         if storages and check is not None:
             check(*args, **kwargs)
         for storage in storages:  # before the call changes anything (flatten() would refuse after it)
             refuse_held_layout(storage, what)
-        _running.depth = depth + 1
-        if not depth:
-            _running.what = what
-        try:
-            with ExitStack() as stack:
-                for storage in storages:
-                    stack.enter_context(storage.unflattened())
-                if storages:  # what a swap leaves dead is reclaimed when the block ends
-                    stack.enter_context(warnings.catch_warnings())
-                    warnings.filterwarnings("ignore", message=_DEAD_SPACE)
-                return original(*args, **kwargs)
-        finally:
-            _running.depth = depth
+        with outside_call.running(what), ExitStack() as stack:
+            for storage in storages:
+                stack.enter_context(storage.unflattened())
+            if storages:  # what a swap leaves dead is reclaimed when the block ends
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", message=_DEAD_SPACE)
+            return original(*args, **kwargs)
 
     return wrapper_of(original, on_the_plain_model)
 

@@ -1,4 +1,4 @@
-"""_core/decay_check: which param groups get the weight-decay warning, and what it keeps per optimizer."""
+"""_guards/decay_check: which param groups get the weight-decay warning, and what it keeps per optimizer."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flatten_parametrize import FlatParameter
-from flatten_parametrize._core import decay_check
+from flatten_parametrize._guards import decay_check
 
 
 def flat(*shapes: tuple[int, ...], requires_grad: bool = True) -> FlatParameter:

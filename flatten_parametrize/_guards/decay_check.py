@@ -44,8 +44,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .compiling import never_traced
-from .leaves import EPOCH
+from .._core.compiling import never_traced
+from .._core.leaves import EPOCH
 from .step_checks import check_modes, elementwise_warning, forget_optimizer, twice_warning
 
 __all__ = ["watch_optimizers"]

@@ -7,7 +7,7 @@ the explicit way to get the feature when the wrappers are left out. Without a fl
 every wrapper calls the original with the same arguments and returns its result.
 
 :func:`wrap_outside_code` is called once, from the package's ``__init__.py``. It wraps each
-module now if it is imported, else right after its first import (``_core/on_import.py``: a
+module now if it is imported, else right after its first import (``_outside/on_import.py``: a
 ``sys.meta_path`` finder that leaves once nothing is awaited), so importing the package imports
 none of them. With the environment variable ``FLATTEN_PARAMETRIZE_NO_PATCHES`` set to anything
 but ``""`` or ``"0"`` when the package is imported, it wraps nothing and installs no finder.
@@ -22,10 +22,9 @@ from typing import Callable
 
 import torch
 
-from ._core import module_swaps, timm_decay, torch_renames, torchao_swaps
-from ._core.on_import import when_imported
-from ._core.plain_calls import Methods
-from ._distributed import dcp, lightning_ckpt
+from . import dcp, lightning_ckpt, module_swaps, timm_decay, torch_renames, torchao_swaps
+from .on_import import when_imported
+from .plain_calls import Methods
 
 __all__ = ["OUTSIDE", "SWITCH", "OutsideWrapper", "switched_off", "wrap_outside_code"]
 

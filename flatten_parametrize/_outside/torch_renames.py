@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-from .parametrize_interop import FlatViewList, HiddenParametrizations
+from .._core.parametrize_interop import FlatViewList, HiddenParametrizations
 from .plain_calls import Methods, wrap_methods
 
 __all__ = ["METHODS", "patch"]

@@ -10,7 +10,7 @@ not move between the plain and the flattened model.
 
 :func:`patch` wraps six private functions of
 ``torch.distributed.checkpoint.state_dict`` so that DCP sees a flattened
-storage as the plain model (``flatten_parametrize/_outside.py`` lists it and
+storage as the plain model (``flatten_parametrize/_outside/registry.py`` lists it and
 runs it when that module is imported, now or later):
 
 * ``_iterate_valid_model_state``: the model's state as the plain model's
@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from .._core.foreign import is_distributed
 from .._core.names import MODULE_STATE_ATTR, flat_param_name, registered_storage
-from .._core.on_import import is_ours, wrapper_of
+from .._distributed.sharded import ShardedOptimizer, init_state
 from .._state.attach_optim import own_format
 from .dcp_sharded import (
     is_sharded,
@@ -66,7 +66,7 @@ from .dcp_sharded import (
     state_for,
     tensor_names,
 )
-from .sharded import ShardedOptimizer, init_state
+from .on_import import is_ours, wrapper_of
 
 __all__ = ["WRAPPED", "patch"]
 

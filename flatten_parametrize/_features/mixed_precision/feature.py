@@ -62,14 +62,14 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from .._core.features import Coordinator, storage_of
-from .._core.foreign import is_fsdp2_compute_param
-from .._core.master_leaf import DIRTY, WATCHED
-from .._core.names import registered_storage
-from .._core.records import Group
-from .._core.transaction import Transaction, atomically
-from .._core.view_cache import WRITE_SCANS
-from .mixed_precision_leaves import LeafCompute
+from ..._core.features import Coordinator, storage_of
+from ..._core.foreign import is_fsdp2_compute_param
+from ..._core.names import registered_storage
+from ..._core.records import Group
+from ..._core.transaction import Transaction, atomically
+from ..._core.view_cache import WRITE_SCANS
+from .leaves import LeafCompute
+from .master_leaf import DIRTY, WATCHED
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -466,7 +466,7 @@ class MixedPrecision:
         return self._leaves is not None
 
     def per_tensor_began(self, tx: Transaction) -> None:
-        """Per-tensor mode began: forwards compute with the compute copies (``mixed_precision_leaves``)."""
+        """Per-tensor mode began: forwards compute with the compute copies (``leaves.py``)."""
         if self._leaves is not None:
             self._leaves.begin(self._storage, tx)
 

@@ -13,7 +13,7 @@ feature holds the layout): when the block ends, a swapped-in module that
 re-hosts a parameter takes over its slot (a change of owner: same flat
 parameters, no dead space) and a quantized weight leaves the storage with a
 warning (``_install/rehost.py``). :func:`patch` wraps them
-(``flatten_parametrize/_outside.py`` lists them and runs it as soon as
+(``flatten_parametrize/_outside/registry.py`` lists them and runs it as soon as
 torchao's modules are imported).
 
 What is wrapped is what those entry points call through their module's

@@ -1,6 +1,6 @@
 """Run a patch of an outside module now if it is imported, else right after its first import.
 
-The wrappers of outside code that ``flatten_parametrize/_outside.py`` lists (DCP's state-dict
+The wrappers of outside code that ``flatten_parametrize/_outside/registry.py`` lists (DCP's state-dict
 functions, FSDP's optimizer re-keying, Lightning's full-checkpoint loader, timm's decay rule,
 torchao's module swaps) must not import what they wrap: importing DCP costs ~0.7 s, and
 Lightning may not be installed. :func:`when_imported` patches a loaded module at

@@ -1,4 +1,4 @@
-"""_core/step_checks: optimizers over another mode's parameters, and per-tensor math in flat mode."""
+"""_guards/step_checks: optimizers over another mode's parameters, and per-tensor math in flat mode."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flatten_parametrize import register_flat_storage
-from flatten_parametrize._core import step_checks
+from flatten_parametrize._guards import step_checks
 
 from _helpers import mlp, twin
 

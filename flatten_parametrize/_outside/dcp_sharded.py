@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .shard import copy_value
-from .sharded import ShardedOptimizer, entries_of, init_state
-from .sharded_args import hyperparameters
+from .._distributed.shard import copy_value
+from .._distributed.sharded import ShardedOptimizer, entries_of, init_state
+from .._distributed.sharded_args import hyperparameters
 
 __all__ = [
     "is_sharded",
