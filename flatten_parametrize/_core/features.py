@@ -4,7 +4,7 @@
 product contract's public surface, users never implement it, and it may
 change with the library. (Users hold ``FlatStorage``; a feature sees the
 private core through ``records.Coordinator``.) The features are gradient sync
-(``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``Member``
+(``_distributed/grad_sync.py``), ``ShardedOptimizer``'s ``OptimizerShards``
 (``_distributed/sharded_feature.py``), disk backing (``_features/offload.py``) and
 ensembles (``_features/functional.py``) and mixed precision
 (``_features/mixed_precision/feature.py``); each owns its state, holds the core
@@ -29,15 +29,15 @@ checks their imports). The seams, all of them:
     forward pre-hook), ``named_views``/``named_grads``/``flat_params``, state
     dicts, mode toggles, deep copy, pickling and removal. The place for
     cheap checks of what nothing notifies.
-  - ``holds_layout()`` (optional; without it a feature holds the layout
-    while composed): whether the feature's state would not fit the
+  - ``holds_layout()`` (by default a feature holds the layout while
+    composed): whether the feature's state would not fit the
     groups laid out again (``_install/relayout.py``, torchao's swaps): the
     way to release it (a sentence), or ``None``. Only while it holds
     something: disk offload while a buffer is a file's mapping, a
     ``ShardedOptimizer`` while it lives, ensembles while a stack of
     ``stack()`` lives. :func:`refuse_held_layout` asks them all before
     anything changes. A feature that holds nothing is dropped with the old
-    core (composed again on use), except one whose optional
+    core (composed again on use), except one whose
     ``relayout_record()`` gives ``(function, args)``: after the change the
     old one is removed and ``function(new_core, *args)`` composes it on the
     new core (mixed precision: compute copies cast from the new masters;
@@ -47,7 +47,7 @@ checks their imports). The seams, all of them:
   - ``copy_for(core, memo)``: ``copy.deepcopy`` of the module (``None``: the
     copy goes without the feature). A pickled model is registered again on
     load and starts with fresh features (no grad sync, buffers in RAM),
-    except those with an optional ``pickle_record()`` returning
+    except those whose ``pickle_record()`` returns
     ``(function, args)``: the loaded core gets ``function(core, *args)``
     (mixed precision keeps its policies so).
 
@@ -89,42 +89,30 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
 
-from .records import Coordinator
+from .records import Coordinator, Feature, Record
 
-__all__ = ["Coordinator", "Feature", "in_flat_mode", "layout_holders", "refuse_held_layout", "storage_of"]
-
-
-class Feature(Protocol):
-    """The lifecycle the coordinator drives on each of its features (a private protocol: see above)."""
-
-    def on_rebacked(self) -> None:
-        """Flat parameters were re-backed or replaced, or written behind their version counters."""
-
-    def refresh(self) -> None:
-        """A sync point (the registered module's forward, among others): check what may have changed."""
-
-    def on_removed(self) -> None:
-        """The storage was removed from its module: release files, hooks and the like."""
-
-    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> Feature | None:
-        """Return this feature's state for ``storage``, a copy of its coordinator (``None``: not copied)."""
+__all__ = [
+    "Coordinator",
+    "Feature",
+    "Record",
+    "in_flat_mode",
+    "layout_holders",
+    "refuse_held_layout",
+    "storage_of",
+]
 
 
 def layout_holders(storage: Coordinator) -> dict[str, str]:
     """Return the features of ``storage`` that hold its layout now: the way to release each, by name.
 
-    A feature without ``holds_layout()`` holds the layout while it is composed.
+    (:meth:`Feature.holds_layout`.)
     """
-    holders = {}
-    for feature in storage.features:
-        name = type(feature).__name__.lstrip("_")
-        holds = getattr(feature, "holds_layout", None)
-        fix = f"remove the {name} feature" if holds is None else holds()
-        if fix is not None:
-            holders[name] = fix
-    return holders
+    return {
+        type(feature).__name__.lstrip("_"): fix
+        for feature in storage.features
+        if (fix := feature.holds_layout()) is not None
+    }
 
 
 def refuse_held_layout(storage: Coordinator, what: str) -> None:

@@ -5,14 +5,16 @@ inspection, plotting, optimizer conversion, module surgery, features) reads
 these records, obtained from ``core.groups()`` and ``core.slots()``,
 instead of the coordinator's private attributes. Nothing here imports the
 coordinator core itself (``_install/coordinator.py``): :class:`Coordinator`
-is the protocol it implements.
+is the protocol it implements, :class:`Feature` the base of what it drives
+(``features.py`` says how a feature plugs in).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -20,9 +22,20 @@ from torch import Tensor, nn
 from .flat_parameter import FlatParameter, serve
 from .grad import GroupGrad
 from .layout import GroupLayout
+from .transaction import Transaction
 from .view_cache import GroupViews
 
-__all__ = ["Coordinator", "Group", "ModuleState", "ParamInfo", "PublicStorage", "Slot", "StagedValue"]
+__all__ = [
+    "Coordinator",
+    "Feature",
+    "Group",
+    "ModuleState",
+    "ParamInfo",
+    "PublicStorage",
+    "Record",
+    "Slot",
+    "StagedValue",
+]
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,7 @@ class Group:
         return None if grad is None else self.views.grads.split(grad)
 
 
-F = TypeVar("F")
+F = TypeVar("F", bound="Feature")
 
 #: A value that ``load_state_dict`` will write into one slot: (group views, index in group, source).
 StagedValue = tuple[GroupViews, int, Tensor]
@@ -223,15 +236,15 @@ class Coordinator(Protocol):
 
     # The feature seams (see ``features.py``).
     #: The features composed on this core, in the order the lifecycle notifies them.
-    features: list[Any]
+    features: list[Feature]
 
     def feature(self, kind: type[F]) -> F | None:
         """The feature of type ``kind`` composed on this core, or ``None``."""
 
-    def add_feature(self, feature: Any) -> None:
+    def add_feature(self, feature: Feature) -> None:
         """Drive ``feature``'s lifecycle from now on."""
 
-    def remove_feature(self, feature: Any) -> None:
+    def remove_feature(self, feature: Feature) -> None:
         """Stop driving ``feature``'s lifecycle."""
 
     def flat_buffers_replaced(self) -> None:
@@ -270,3 +283,66 @@ class ModuleState:
     slots: dict[str, tuple[GroupViews, int]] = field(default_factory=dict)
     injected: type | None = None
     hidden: Any = None
+
+
+#: ``(function, args)``: what composes a feature again on another core, as ``function(core, *args)``.
+Record = tuple[Callable[..., None], tuple[Any, ...]]
+
+
+class Feature(ABC):
+    """The hooks the coordinator calls on each of its features (a private base class: ``features.py``).
+
+    The four lifecycle hooks are abstract; every other hook is declared here with
+    what a feature that does not override it does (nothing, holds the layout, is
+    not carried), so the core calls each one directly.
+    """
+
+    # ------------------------------------------------------------- lifecycle
+    @abstractmethod
+    def on_rebacked(self) -> None:
+        """Flat parameters were re-backed or replaced, or written behind their version counters."""
+
+    @abstractmethod
+    def refresh(self) -> None:
+        """A sync point (the registered module's forward, among others): check what may have changed."""
+
+    @abstractmethod
+    def on_removed(self) -> None:
+        """The storage was removed from its module: release files, hooks and the like."""
+
+    @abstractmethod
+    def copy_for(self, storage: Coordinator, memo: dict[int, Any]) -> Feature | None:
+        """Return this feature's state for ``storage``, a copy of its coordinator (``None``: not copied)."""
+
+    # ------------------------------------------------------ layout and loads
+    def holds_layout(self) -> str | None:
+        """Return how to release the layout this feature holds now (a sentence), or ``None``.
+
+        By default a feature holds it while it is composed.
+        """
+        return f"remove the {type(self).__name__.lstrip('_')} feature"
+
+    def relayout_record(self) -> Record | None:
+        """Return what composes this feature on the core laid out again (``None``: it is dropped)."""
+        return None
+
+    def pickle_record(self) -> Record | None:
+        """Return what composes this feature on a core loaded from a pickle (``None``: it is dropped)."""
+        return None
+
+    # ------------------------------------------------ per-tensor mode's forward
+    def forward_sync(self) -> bool:
+        """Return whether per-tensor mode's forward must call :meth:`before_forward`/:meth:`after_forward`."""
+        return False
+
+    def per_tensor_began(self, tx: Transaction) -> None:  # noqa: B027 (by default: nothing to do)
+        """Per-tensor mode began (undoably, in ``tx``)."""
+
+    def per_tensor_ended(self, tx: Transaction) -> None:  # noqa: B027 (by default: nothing to do)
+        """Per-tensor mode ends (undoably, in ``tx``)."""
+
+    def before_forward(self) -> None:  # noqa: B027 (by default: nothing to do)
+        """The registered module's forward in per-tensor mode begins (outside writes landed)."""
+
+    def after_forward(self) -> None:  # noqa: B027 (by default: nothing to do)
+        """The registered module's forward in per-tensor mode ended (also when it raised)."""

@@ -39,7 +39,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from .._core.engine import current_node, graph_task_id, queue_callback, will_execute
-from .._core.features import Coordinator, in_flat_mode, storage_of
+from .._core.features import Coordinator, Feature, Record, in_flat_mode, storage_of
 from .._core.grad import claim_sync
 from .outside_params import OutsideParams, outside_params, reduce_once
 from .outside_params import broadcast as broadcast_outside
@@ -209,7 +209,7 @@ class _Prescale:
         return grad.sub(divided).div_(state.world).add_(divided)
 
 
-class GradSync:
+class GradSync(Feature):
     """The data-parallel feature of a storage: collectives over whole flat parameters, sync in backward.
 
     ``FlatStorage.all_reduce_grads``, ``broadcast_params``,
@@ -274,7 +274,7 @@ class GradSync:
         """Never: enabled, it follows a new layout (:meth:`relayout_record`)."""
         return None
 
-    def relayout_record(self) -> tuple[Callable[..., None], tuple[Any, ...]] | None:
+    def relayout_record(self) -> Record | None:
         """While enabled: ``(function, args)`` that enables sync on the core laid out again, same group."""
         if self.state is None:
             return None

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
+from .._core.features import Feature
+
 if TYPE_CHECKING:
     from .._core.grad import GroupGrad
     from .._core.records import Coordinator, Group
@@ -70,7 +72,7 @@ class _Closes(Protocol):
     def close(self) -> None: ...
 
 
-class OptimizerShards:
+class OptimizerShards(Feature):
     """A ShardedOptimizer's part on its storage's core: a feature, and the flat-gradient hook of its groups.
 
     The core drives its lifecycle (``_core/features.py``): ``on_rebacked``

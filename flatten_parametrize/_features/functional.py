@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from .._core.features import Coordinator, storage_of
+from .._core.features import Coordinator, Feature, storage_of
 from .._core.per_group import per_group
 
 __all__ = ["Functional", "StackedTensors"]
@@ -20,7 +20,7 @@ __all__ = ["Functional", "StackedTensors"]
 StackedTensors = Union[Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 
 
-class Functional:
+class Functional(Feature):
     """The ensemble feature of a storage: ``FlatStorage.stack`` and ``call_stacked`` delegate here.
 
     It keeps no state of its own but weak references to the stacks it handed

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._core.features import Coordinator, in_flat_mode, storage_of
+from .._core.features import Coordinator, Feature, in_flat_mode, storage_of
 from .._core.names import flat_param_name
 from .._core.records import Group
 
@@ -115,7 +115,7 @@ def _unlink(path: Path) -> None:
         )
 
 
-class DiskOffload:
+class DiskOffload(Feature):
     """The disk-backing feature of a storage: which flat buffers are memory-mapped files.
 
     ``FlatStorage.offload_to_disk``, ``load_to_memory``, ``is_offloaded`` and

@@ -60,9 +60,7 @@ class PerTensorMode:
             group.grads.enter_leaves(group.flat, group.members, tx)
         tx.set_attr(self, "watch", LeafWatch(storage))
         for feature in list(storage.features):
-            began = getattr(feature, "per_tensor_began", None)
-            if began is not None:
-                began(tx)
+            feature.per_tensor_began(tx)
         self.update_hooks(tx)
 
     def detach(self, tx: Transaction) -> None:
@@ -70,9 +68,7 @@ class PerTensorMode:
         storage = self._storage_ref()
         if storage is not None:
             for feature in list(storage.features):
-                ended = getattr(feature, "per_tensor_ended", None)
-                if ended is not None:
-                    ended(tx)
+                feature.per_tensor_ended(tx)
             for group in storage.groups():
                 group.grads.exit_leaves(tx)
             _unhook(storage.module_unchecked, tx)
@@ -94,7 +90,7 @@ class PerTensorMode:
         if root is None:  # the model is gone (an optimizer outliving it leaves): nothing to hook
             return
         tx = tx if tx is not None else Transaction()
-        needed = any(_wants_forward(feature) for feature in storage.features)
+        needed = any(feature.forward_sync() for feature in storage.features)
         hooked = any(hook is _before_forward for hook in root._forward_pre_hooks.values())
         if needed and not hooked:
             for hooks in (root._forward_pre_hooks, root._forward_hooks, root._forward_hooks_always_called):
@@ -103,11 +99,6 @@ class PerTensorMode:
             root.register_forward_hook(_after_forward, always_call=True)
         elif hooked and not needed:
             _unhook(root, tx)
-
-
-def _wants_forward(feature: Any) -> bool:
-    wants = getattr(feature, "forward_sync", None)
-    return wants is not None and bool(wants())
 
 
 def _unhook(root: nn.Module, tx: Transaction) -> None:
@@ -129,9 +120,7 @@ def _before_forward(module: nn.Module, args: Any) -> None:
     if not compiling_or_tracing():  # a compiled forward: the eager call of the registered module settled
         core = settle(core)
     for feature in list(core.features):
-        before = getattr(feature, "before_forward", None)
-        if before is not None:
-            before()
+        feature.before_forward()
 
 
 @never_compiled
@@ -141,6 +130,4 @@ def _after_forward(module: nn.Module, args: Any, output: Any) -> None:
     if core is None:
         return
     for feature in list(core.features):
-        after = getattr(feature, "after_forward", None)
-        if after is not None:
-            after()
+        feature.after_forward()

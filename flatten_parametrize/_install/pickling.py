@@ -239,9 +239,7 @@ class StorageRecord:
         self.flattened = storage.is_flattened
         #: ``(function, args)`` per feature that survives pickling (its ``pickle_record()``), each
         #: called as ``function(core, *args)`` once the storage is registered again.
-        self.features = [
-            record() for f in storage.features if (record := getattr(f, "pickle_record", None)) is not None
-        ]
+        self.features = [record for f in storage.features if (record := f.pickle_record()) is not None]
 
 
 def reduce_flattened(module: nn.Module, proto: Any) -> Any:

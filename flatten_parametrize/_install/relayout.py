@@ -165,11 +165,7 @@ class _Plan:
         self.where = [(slot, core.groups()[slot.group_index]) for slot in core.slots()]
         #: The features that follow to the new core, with their ``relayout_record()`` (taken now,
         #: before removal disables them): mixed precision, gradient sync while enabled.
-        self.followers = [
-            (f, record)
-            for f in core.features
-            if (get := getattr(f, "relayout_record", None)) is not None and (record := get()) is not None
-        ]
+        self.followers = [(f, record) for f in core.features if (record := f.relayout_record()) is not None]
 
     def moved(self) -> dict[int, Any]:
         """Return where each slot's parameter was, by ``id`` (after removal, which may reassign them)."""

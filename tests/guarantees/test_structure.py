@@ -23,6 +23,7 @@ the same injected classes and keeps its guarantees
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from torch import nn
 
 import flatten_parametrize
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize._core.features import Feature
 
 from _helpers import core_of
 
@@ -326,21 +328,6 @@ def private_reads(source: str, cls: str) -> list[str]:
     )
 
 
-def branch_points(node: ast.AST) -> int:
-    """Return the decision points under ``node``: each if, loop, ternary, except, comprehension (and its
-    conditions), extra operand of ``and`` / ``or``, assert and match case."""
-    decisions = (ast.If, ast.For, ast.While, ast.IfExp, ast.ExceptHandler, ast.Assert, ast.match_case)
-    count = 0
-    for sub in ast.walk(node):
-        if isinstance(sub, decisions):
-            count += 1
-        elif isinstance(sub, ast.comprehension):
-            count += 1 + len(sub.ifs)
-        elif isinstance(sub, ast.BoolOp):
-            count += len(sub.values) - 1
-    return count
-
-
 #: What writes a tensor's ``.grad`` slot: ``x.grad = ...`` (not ``self.grad``, an attribute of the
 #: library's own objects), ``del x.grad``, ``setattr(x, "grad", ...)`` / ``tx.set_attr(x, "grad", ...)``
 #: and torch's own descriptor, ``BASE_GRAD.__set__`` / ``__delete__``.
@@ -512,6 +499,61 @@ def test_features_meet_only_on_the_cores_seams():
     )
     offenders = feature_crossings(IMPORTS, FEATURES)
     assert offenders == [], f"features reaching past the seams: {offenders}"
+
+
+def hook_lookups(source: str, hooks: set[str]) -> list[str]:
+    """Return each ``getattr`` / ``hasattr`` of ``source`` that looks one of ``hooks`` up by its name."""
+    return [
+        f"line {node.lineno}: {_called_name(node.func)}(..., {node.args[1].value!r})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and _called_name(node.func) in {"getattr", "hasattr"}
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value in hooks
+    ]
+
+
+def test_the_features_hooks_are_declared_not_looked_up():
+    """Every hook the core calls on a feature is a method of ``Feature``; none is found with ``getattr``.
+
+    And every feature the package composes is a ``Feature`` (so it has each hook, by default or its own).
+    """
+    hooks = {name for name in vars(Feature) if not name.startswith("_")}
+    assert {"on_rebacked", "holds_layout", "pickle_record", "before_forward"} <= hooks
+    lookups = {
+        name: found for name, path in MODULES.items() if (found := hook_lookups(path.read_text(), hooks))
+    }
+    assert lookups == {}, f"feature hooks looked up by name: {lookups}"
+    features = [
+        f"{name}.{node.name}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(f, ast.FunctionDef) and f.name == "copy_for" for f in node.body)
+        and node.name != "Feature"
+    ]
+    # grad sync, the optimizer's shards, offload, ensembles, mixed precision
+    assert len(features) == 5, features
+    for qualified in features:
+        module, cls = qualified.rsplit(".", 1)
+        found = getattr(importlib.import_module(f"flatten_parametrize.{module}"), cls)
+        assert issubclass(found, Feature), qualified
+
+
+def test_the_hook_lookup_checker_finds_getattr_and_hasattr():
+    """The checker above finds both forms, and leaves other names and computed names alone."""
+    source = (
+        "def f(x, n):\n"
+        "    getattr(x, 'refresh', None)\n"
+        "    hasattr(x, 'after_forward')\n"
+        "    getattr(x, 'other', None)\n"
+        "    getattr(x, n)\n"
+    )
+    assert hook_lookups(source, {"refresh", "after_forward"}) == [
+        "line 2: getattr(..., 'refresh')",
+        "line 3: hasattr(..., 'after_forward')",
+    ]
 
 
 def test_the_package_has_no_mixin_classes():
@@ -844,27 +886,6 @@ def test_the_private_read_checker_finds_every_holder():
         "    return a._world, b._pg, opt._shards, d._y, other._fine, a.public, a.__class__\n"
     )
     assert private_reads(source, "ShardedOptimizer") == ["a._world", "b._pg", "c._x", "d._y", "opt._shards"]
-
-
-def test_the_branch_counter_counts_every_kind_of_decision():
-    """Each kind of decision point counts once (a comprehension's condition and each extra operand too)."""
-    source = (
-        "def f(x):\n"
-        "    if x and x or x:\n"  # if, and, or
-        "        pass\n"
-        "    for i in x:\n"
-        "        while i:\n"
-        "            i = 1 if i else 2\n"
-        "    try:\n"
-        "        assert x\n"
-        "    except ValueError:\n"
-        "        pass\n"
-        "    match x:\n"
-        "        case 1:\n"
-        "            pass\n"
-        "    return [y for y in x if y]\n"  # comprehension, its condition
-    )
-    assert branch_points(ast.parse(source)) == 11
 
 
 GRAD_WRITES = {

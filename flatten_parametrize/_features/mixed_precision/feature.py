@@ -55,14 +55,14 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field as _field
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map_only
 
-from ..._core.features import Coordinator, storage_of
+from ..._core.features import Coordinator, Feature, Record, storage_of
 from ..._core.foreign import is_fsdp2_compute_param
 from ..._core.names import registered_storage
 from ..._core.records import Group
@@ -250,7 +250,7 @@ def _watch(master: Tensor) -> None:
     _MASTERS[id(master)] = master
 
 
-class MixedPrecision:
+class MixedPrecision(Feature):
     """The mixed-precision feature of a storage: ``FlatStorage.mixed_precision`` reads its policies.
 
     Args:
@@ -532,11 +532,11 @@ class MixedPrecision:
         """Never: it follows a new layout (:meth:`relayout_record`), its copies cast from the new masters."""
         return None
 
-    def relayout_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+    def relayout_record(self) -> Record:
         """Return ``(function, args)`` that composes this feature on the core laid out again."""
         return self.pickle_record()
 
-    def pickle_record(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
+    def pickle_record(self) -> Record:
         """Return ``(function, args)`` that composes this feature again on a loaded core."""
         return restore_mixed_precision, (self.policies,)
 

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize._core.features import Feature, layout_holders, refuse_held_layout
 from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES, GroupGrad, check_sync, claim_sync
 
 from _helpers import core_of, mlp
 
 
-class Recorder:
+class Recorder(Feature):
     """A feature that records the lifecycle calls it gets."""
 
     def __init__(self, copies: bool = True) -> None:
@@ -74,6 +75,51 @@ def test_a_deep_copy_gets_the_copies_its_features_make():
     clone.double()
     assert [type(f).__name__ for f in core_of(get_flat_storage(clone)).features] == ["Recorder"]
     assert core_of(get_flat_storage(clone)).features[0].calls == ["rebacked"]
+
+
+class ForwardWatcher(Recorder):
+    """A feature that asks for per-tensor mode's forward hooks and records them."""
+
+    def forward_sync(self) -> bool:
+        return True
+
+    def per_tensor_began(self, tx: Any) -> None:
+        self.calls.append("began")
+
+    def per_tensor_ended(self, tx: Any) -> None:
+        self.calls.append("ended")
+
+    def before_forward(self) -> None:
+        self.calls.append("before")
+
+    def after_forward(self) -> None:
+        self.calls.append("after")
+
+
+def test_a_feature_that_declares_nothing_more_holds_the_layout_and_is_not_carried():
+    """The defaults of the optional hooks: it holds the layout while composed, is dropped by a pickle."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    core = core_of(storage)
+    core.add_feature(Recorder())
+    assert layout_holders(core) == {"Recorder": "remove the Recorder feature"}
+    held = r"cannot run a change .* Recorder hold\(s\) its layout.*remove the Recorder feature"
+    with pytest.raises(RuntimeError, match=held):
+        refuse_held_layout(core, "a change")
+    bare = Recorder()
+    assert (bare.pickle_record(), bare.relayout_record(), bare.forward_sync()) == (None, None, False)
+
+
+def test_per_tensor_modes_forward_calls_the_features_that_ask_for_it():
+    """forward_sync() True: the mode's start and end, and each forward's start and end, reach the feature."""
+    model = mlp(2)
+    storage = register_flat_storage(model)
+    watcher = ForwardWatcher()
+    core_of(storage).add_feature(watcher)
+    storage.unflatten()
+    model(torch.randn(3, 5))
+    storage.flatten()
+    assert watcher.calls == ["began", "before", "after", "ended", "rebacked"]  # flatten() re-backs
 
 
 class Halve:
@@ -231,7 +277,7 @@ class Float64Source:
         pass
 
 
-class Float64Copy:
+class Float64Copy(Feature):
     """A tiny compute-copy feature: each group's views are served from a float64 copy of its flat parameter.
 
     The copy is cast once per group, and only after the master changed: at the core's sync points

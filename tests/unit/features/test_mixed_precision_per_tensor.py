@@ -242,9 +242,10 @@ def test_later_micro_batches_add_into_the_slots_as_the_reference_accumulates(hoo
             flat_grad = storage.flat_params[0].grad
             for name, param in model.named_parameters():
                 assert torch.equal(param.grad, plain.get_parameter(name).grad), name
-                assert param.grad.data_ptr() - flat_grad.data_ptr() == 4 * storage.param_infos[
-                    [info.name for info in storage.param_infos].index(name)
-                ].offset, name
+                assert (
+                    param.grad.data_ptr() - flat_grad.data_ptr()
+                    == 4 * storage.param_infos[[info.name for info in storage.param_infos].index(name)].offset
+                ), name
     assert len(seen) == len(expected_seen) == 5 * hooked
     assert all(torch.equal(a, b) for a, b in zip(seen, expected_seen))
 
