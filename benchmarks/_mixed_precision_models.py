@@ -112,5 +112,3 @@ def corpus(s: dict[str, Any], i: int) -> Any:
     start = torch.randint(0, s["vocab"], (s["batch"], 1), generator=gen)
     step = torch.randint(1, 8, (s["batch"], 1), generator=gen)
     return (start + step * torch.arange(s["tokens"])) % s["vocab"]
-
-

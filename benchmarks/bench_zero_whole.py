@@ -265,7 +265,8 @@ def _worker(rank: int, port: int, contender: str, config: dict[str, Any]) -> Non
         opts = [opt]
         _timed(opt.local_optimizer, spent)
         state_of = [opt.local_optimizer.state]
-        grads_of = [*model.parameters(), *(s.param for s in opt._ownership.shards)]
+        pieces = [piece for s in opt._ownership.shards for piece in s.pieces.values()]
+        grads_of = [*model.parameters(), *pieces]
         balance = _balance(opt._ownership.shards, storage)
     params = sum(p.numel() for p in model.parameters())
 
@@ -329,18 +330,18 @@ def _owners(params: Sequence[Any]) -> dict[int, int]:
 
 def _balance(shards: Sequence[Any], storage: Any) -> dict[str, Any]:
     """Return this rank's elements and Newton-Schulz flops, every rank's ranges, the padding and the numel."""
-    elements = sum(s.hi - s.lo for s in shards)
+    elements = sum(s.owned for s in shards)
     flops = sum(
-        shape[0] * shape[1] * min(shape)
+        spec.shape[0] * spec.shape[1] * min(spec.shape)
         for s in shards
-        for _, _, _, shape in s.where
-        if len(shape) == 2 and shape[0] > 1 and shape[1] > 1
+        for spec in s.specs
+        if len(spec.shape) == 2 and spec.shape[0] > 1 and spec.shape[1] > 1
     )
     return {
         "elements": elements,
         "flops": flops,
         # what NCCL's one-buffer path would pad (each range to the largest) per bucket, in bucket order
-        "paddings": [s.chunk * (len(s.cuts) - 1) - s.numel for s in shards],
+        "paddings": [s.chunk * len(s.ranges) - s.numel for s in shards],
         "numels": [s.numel for s in shards],
         "flat_numel": sum(f.numel() for f in storage.flat_params if f.requires_grad),
     }

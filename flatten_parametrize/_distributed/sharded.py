@@ -242,9 +242,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return functools.partial(self._call_inner, name)
 
-    def _classes(self) -> list[type[torch.optim.Optimizer]]:
-        return [self._optimizer_class, *(group.optimizer_class for group in self._groups)]
-
     def _call_inner(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self._follow(strict=True)  # the slices hold the flat buffers' values (a load wrote them)
         result = self._local.call(name, self.param_groups, *args, **kwargs)

@@ -191,14 +191,6 @@ class Collectives:
             for shard in shards:
                 torch.autograd.graph.increment_version(shard.flat)
 
-    def gather_value(self, shard: Shard, value: Tensor) -> Tensor:
-        """Return a new tensor of the whole flat parameter from each owner's packed ``value``."""
-        full = value.new_zeros(shard.numel)
-        for (lo, hi), (a, b) in zip(shard.mine, shard.packed_ranges()):
-            full[lo:hi].copy_(value[a:b])
-        self.finish(self.gather_ranges(shard, full))
-        return full
-
     def total_norm(self, local: Tensor, p: float, device: torch.device) -> Tensor:
         """Return the p-norm over all ranks from this rank's part (its max for ``inf``, else a p-th power)."""
         return self.total_norms(local.reshape(1), p, device)[0]

@@ -24,7 +24,7 @@ path and the state conversion (``sharded_state.py``) work from those for every r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -315,14 +315,3 @@ def cut_whole_tensors(
 def strategy_for(storage: Coordinator, whole_tensors: bool) -> Strategy:
     """Return the ownership rule: :class:`WholeTensors` or :class:`Slices`."""
     return WholeTensors(storage) if whole_tensors else Slices()
-
-
-def check_entries(groups: Sequence[Mapping[str, Any]], ours: Sequence[ShardedGroup], what: str) -> None:
-    """Refuse a state dict whose param groups do not hold as many tensors as ours."""
-    sizes = [len(group.entries) for group in ours]
-    saved = [len(g["params"]) for g in groups]
-    if saved != sizes:
-        raise ValueError(
-            f"ShardedOptimizer.{what}: the state dict's param groups hold {saved} tensors, this optimizer's "
-            f"hold {sizes}; load a state dict saved for the same param groups"
-        )

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: One model tensor inside an entry: its DCP name, where it starts in the entry, its numel and shape.
-_Member = tuple[str, int, int, tuple[int, ...]]
+_NamedTensor = tuple[str, int, int, tuple[int, ...]]
 
 
 def is_sharded(optimizer: Any) -> bool:
@@ -50,7 +50,7 @@ def is_sharded(optimizer: Any) -> bool:
     return isinstance(optimizer, ShardedOptimizer)
 
 
-def tensor_names(dsd: ModuleType, model: nn.Module, opt: ShardedOptimizer) -> list[list[list[_Member]]]:
+def tensor_names(dsd: ModuleType, model: nn.Module, opt: ShardedOptimizer) -> list[list[list[_NamedTensor]]]:
     """Return, per param group and entry, the model tensors inside the entry (DCP names), in layout order."""
     core, groups = entries_of(opt)
     prefix = next((p for p, m in model.named_modules() if m is core.module), None)
@@ -77,7 +77,7 @@ def tensor_names(dsd: ModuleType, model: nn.Module, opt: ShardedOptimizer) -> li
     return out
 
 
-def member_names(groups: Sequence[Sequence[Sequence[_Member]]]) -> list[list[str]]:
+def member_names(groups: Sequence[Sequence[Sequence[_NamedTensor]]]) -> list[list[str]]:
     """Return each param group's model tensors' DCP names (of :func:`tensor_names`)."""
     return [[m[0] for entry in entries for m in entry] for entries in groups]
 
@@ -111,7 +111,10 @@ def _part(value: Any, start: int, numel: int, shape: tuple[int, ...]) -> Any:
 
 
 def state_for(
-    opt: ShardedOptimizer, groups: Sequence[Sequence[Sequence[_Member]]], osd: Mapping[str, Any], strict: bool
+    opt: ShardedOptimizer,
+    groups: Sequence[Sequence[Sequence[_NamedTensor]]],
+    osd: Mapping[str, Any],
+    strict: bool,
 ) -> dict[str, Any]:
     """Return the part of ``osd`` (keyed by DCP names) that is ``opt``'s, for its ``load_state_dict``.
 
@@ -151,7 +154,10 @@ def state_for(
 
 
 def _joined(
-    numel: int, shape: tuple[int, ...], members: Sequence[_Member], found: Mapping[str, Mapping[str, Any]]
+    numel: int,
+    shape: tuple[int, ...],
+    members: Sequence[_NamedTensor],
+    found: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, Any]:
     """Return an entry's state from its model tensors' (per-element values joined, scalars equal)."""
     if len(members) == 1 and members[0][2] == numel:
@@ -167,7 +173,7 @@ def _joined(
 
 def joined_value(
     key: str,
-    values: Sequence[tuple[_Member, Any]],
+    values: Sequence[tuple[_NamedTensor, Any]],
     numel: int,
     where: str,
     full: Callable[[Tensor], Tensor] = Tensor.detach,

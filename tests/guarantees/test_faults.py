@@ -54,6 +54,10 @@ from _helpers import assert_plain, assert_unchanged, snapshot
 PACKAGE_DIR = os.path.dirname(os.path.abspath(flatten_parametrize.__file__)) + os.sep
 
 
+#: Where the scenarios offload (this file runs them thousands of times): a RAM file system where there is one.
+RAM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 class InjectedFault(Exception):
     """The error that a patched step raises (deliberately not a RuntimeError: nothing expects it)."""
 
@@ -255,7 +259,7 @@ def _setup_flatten_after_swap_and_release() -> tuple[nn.Module, Callable[[], Any
 def _setup_flatten_after_swap_with_released_holders() -> tuple[nn.Module, Callable[[], Any]]:
     """Disk offload loaded back and ensemble stacks dropped hold nothing: flatten() lays the groups out."""
     model, storage = _registered()
-    directory = tempfile.mkdtemp()
+    directory = tempfile.mkdtemp(dir=RAM_DIR)
     storage.offload_to_disk(directory)
     storage.load_to_memory()  # deletes the files
     os.rmdir(directory)
