@@ -5,12 +5,19 @@
   parameters kept next to the model, gathered and scattered around each step;
 - a naive parametrization that slices the flat parameter separately at each
   access (the quadratic trap of the engineering facts in the spec);
-- the identity parametrization: the floor of any parametrize-based design.
+- the identity parametrization: the floor of any parametrize-based design;
+- another version of the library (an exported copy of its package), for A/B runs in one process.
 """
 
 from __future__ import annotations
 
+import importlib
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -23,6 +30,7 @@ __all__ = [
     "NaiveSlice",
     "VectorCopy",
     "fairscale_wrap",
+    "import_base",
     "register_identity",
     "register_naive_slices",
     "zero_grad",
@@ -124,3 +132,15 @@ class VectorCopy:
     def scatter(self) -> None:
         """Point the parameters at the stepped vector again."""
         vector_to_parameters(self.flat.detach(), self.params)
+
+
+def import_base(folder: Path) -> ModuleType:
+    """Import ``folder/flatten_parametrize`` (another version) as ``flatten_parametrize_base``.
+
+    The package's own imports are relative, so a copy under another name is a second library in the
+    same process (e.g. ``git archive <commit> flatten_parametrize | tar -x -C folder``).
+    """
+    target = Path(tempfile.mkdtemp()) / "flatten_parametrize_base"
+    shutil.copytree(folder / "flatten_parametrize", target)
+    sys.path.insert(0, str(target.parent))
+    return importlib.import_module("flatten_parametrize_base")

@@ -2,17 +2,21 @@
 
 12 layers, d_model 64, 4 heads, feed-forward 256, batch 4 x 16, eval mode,
 ``torch.no_grad()``, 2 torch threads (``--threads``). Each round times
-``--calls`` forwards of one model, then of the other (the order alternates
-between rounds); the median time per forward over ``--rounds`` rounds is
-reported per row, with the ratio flat / plain. Rows: weights unchanged, and
-after an in-place update (every parameter's version bumped before each
-forward, as an optimizer step does). Also reports the per-forward cost of the
+``--calls`` forwards of each model in turn (the order alternates between
+rounds); the median time per forward over ``--rounds`` rounds is reported per
+row, with the ratio flat / plain. Rows: weights unchanged, and after an
+in-place update (every parameter's version bumped before each forward, as an
+optimizer step does). Besides the plain model and flat mode, the floor runs:
+per-tensor mode's forward (``storage.unflatten()``: the plain module's reads of
+leaf parameters over the same flat buffer), and with ``--base DIR`` (a folder
+holding another version's ``flatten_parametrize`` package) that version's flat
+mode, imported under another name. Also reports the per-forward cost of the
 write check (the registered module's pre-hook work that decides whether
 anything was written) and how many ``_parameters`` dicts and cached views that
 check visits per clean forward.
 
-Run: ``PYTHONPATH=. python -m benchmarks.ab_eval`` (any checkout of the
-library: the counts use whatever the imported version exposes).
+Run: ``PYTHONPATH=. python -m benchmarks.ab_eval [--base DIR]`` (any checkout of
+the library: the counts use whatever the imported version exposes).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 
 import flatten_parametrize
+from benchmarks._contenders import import_base
 from flatten_parametrize import get_flat_storage, register_flat_storage
 
 
@@ -104,16 +110,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--base", type=Path, default=None, help="folder holding another flatten_parametrize")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
-    plain, flat = _model(), _model()
+    plain, flat, per_tensor = _model(), _model(), _model()
     storage = register_flat_storage(flat)
+    register_flat_storage(per_tensor).unflatten()
+    models = {"plain": plain, "flat": flat, "per-tensor (floor)": per_tensor}
+    if args.base is not None:
+        base = _model()
+        import_base(args.base).register_flat_storage(base)
+        models["base flat"] = base
     x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(flat(x), plain(x))
-    params = {"plain": list(plain.parameters()), "flat": list(flat.parameters())}
-    models = {"plain": plain, "flat": flat}
+        for model in models.values():
+            torch.testing.assert_close(model(x), plain(x))
+    params = {name: list(model.parameters()) for name, model in models.items()}
 
     def unchanged(name: str) -> Callable[[], None]:
         model = models[name]
@@ -144,20 +157,21 @@ def main(argv: list[str] | None = None) -> None:
         for fn in fns.values():
             for _ in range(20):
                 fn()
-        times: dict[str, list[float]] = {"plain": [], "flat": []}
-        ratios = []
+        times: dict[str, list[float]] = {name: [] for name in models}
+        names = list(models)
         for r in range(args.rounds):
-            order = ("plain", "flat") if r % 2 == 0 else ("flat", "plain")
-            got = {name: _time(fns[name], args.calls) for name in order}
-            for name, t in got.items():
-                times[name].append(t)
-            ratios.append(got["flat"] / got["plain"])
-        p, f = statistics.median(times["plain"]), statistics.median(times["flat"])
-        low, _, high = statistics.quantiles(ratios, n=4)
-        print(
-            f"{row:18s} plain {p * 1e3:.3f} ms  flat {f * 1e3:.3f} ms  flat/plain {f / p:.3f} "
-            f"(median of per-round ratios {statistics.median(ratios):.3f}; quartiles {low:.3f}-{high:.3f})"
-        )
+            for name in names if r % 2 == 0 else reversed(names):
+                times[name].append(_time(fns[name], args.calls))
+        p = statistics.median(times["plain"])
+        for name in names[1:]:
+            ratios = [a / b for a, b in zip(times[name], times["plain"])]
+            f = statistics.median(times[name])
+            low, _, high = statistics.quantiles(ratios, n=4)
+            paired = statistics.median(ratios)
+            print(
+                f"{row:18s} plain {p * 1e3:.3f} ms  {name} {f * 1e3:.3f} ms  {name}/plain {f / p:.3f} "
+                f"(median of per-round ratios {paired:.3f}; quartiles {low:.3f}-{high:.3f})"
+            )
     check = _write_check(get_flat_storage(flat))
     for _ in range(1000):
         check()

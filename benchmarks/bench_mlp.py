@@ -3,9 +3,12 @@
 The main table is at depth 400. The sweep times depth 50 / 200 / 800 for the
 plain model, ``register_flat_storage`` (flat mode, and per-tensor mode:
 ``storage.unflatten()``, whose forward is the plain one and whose backward
-lands each leaf's gradient in the flat one), fairscale's wrapper and a naive
-parametrization that slices the flat parameter at every access (capped in
-depth: its backward is quadratic), and plots time against depth.
+lands each leaf's gradient in the flat one), the per-tensor floor (the plain
+step and one copy of every gradient into one buffer, no library), the plain
+model and per-tensor mode with gradients accumulating (no ``zero_grad()``
+between passes), fairscale's wrapper and a naive parametrization that slices
+the flat parameter at every access (capped in depth: its backward is
+quadratic), and plots time against depth.
 
 ``register_flat_storage`` reuses its views while the flat parameter is
 unchanged, so repeated forward+backward passes split it only once. In
@@ -39,20 +42,26 @@ from benchmarks._timing import (
     fmt_ratio,
     fmt_time,
     interleave,
+    paired_ratio,
     ratio,
     timing_table,
 )
 from flatten_parametrize import register_flat_storage
 
-__all__ = ["run", "mlp", "contenders"]
+__all__ = ["run", "mlp", "contenders", "over_one_buffer"]
 
 WIDTH, BATCH = 64, 32
 PLAIN, FLAT, NAIVE = "plain", "register_flat_storage", "naive slicing"
 REBUILT = "register_flat_storage, views rebuilt"
 PER_TENSOR = "register_flat_storage, per-tensor mode"
 FLOOR = "plain + gradients copied into one buffer (per-tensor floor)"
+PLAIN_ACCUMULATING = "plain, gradients accumulating"
+PER_TENSOR_ACCUMULATING = "register_flat_storage, per-tensor mode, gradients accumulating"
+ONE_BUFFER_ACCUMULATING = "plain over one weight and one gradient buffer, accumulating (per-tensor floor)"
 #: Forward+backward, flat mode and per-tensor mode: contender / plain at every depth of the sweep.
 TARGET = 1.05
+#: Forward+backward in per-tensor mode after ``zero_grad()``: per-tensor / its floor at every depth.
+FLOOR_TARGET = 1.03
 #: Forward+backward with the views rebuilt every pass, as in training: flat / plain at every depth.
 REBUILT_TARGET = 1.10
 
@@ -66,6 +75,33 @@ def mlp(depth: int, seed: int = 0) -> nn.Sequential:
 def _step(model: nn.Module, x: torch.Tensor) -> None:
     zero_grad(model.parameters())
     model(x).sum().backward()
+
+
+def _accumulate(model: nn.Module, x: torch.Tensor) -> None:
+    """Forward+backward adding to the gradients of the passes before (micro-batches): no ``zero_grad()``."""
+    model(x).sum().backward()
+
+
+def over_one_buffer(model: nn.Module) -> nn.Module:
+    """Put ``model``'s parameters into one buffer and their gradients into another, as leaves, no library.
+
+    Per-tensor mode's memory layout (each leaf a view of one flat buffer, its ``.grad`` a view of one
+    flat gradient) by hand: the least per-tensor mode can cost when gradients accumulate in place.
+    """
+    params = list(model.parameters())
+    weights = torch.cat([p.detach().reshape(-1) for p in params])
+    grads = torch.zeros_like(weights)
+    offset = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            end = offset + param.numel()
+            leaf = nn.Parameter(weights[offset:end].view(param.shape))
+            leaf.grad = grads[offset:end].view(param.shape)
+            module._parameters[name] = leaf
+            offset = end
+    return model
 
 
 def _step_after_update(model: nn.Module, x: torch.Tensor) -> None:
@@ -100,12 +136,19 @@ def contenders(depth: int, naive: bool) -> list[Contender]:
     landing = mlp(depth)
     sizes = [p.numel() for p in landing.parameters()]
     slots = [s.view(p.shape) for s, p in zip(torch.empty(sum(sizes)).split(sizes), landing.parameters())]
+    plain_accumulating = mlp(depth)
+    per_tensor_accumulating = mlp(depth)
+    register_flat_storage(per_tensor_accumulating).unflatten()
+    one_buffer_accumulating = over_one_buffer(mlp(depth))
     out = [
         Contender(PLAIN, lambda: _step(plain, x)),
         Contender(FLAT, lambda: _step(flat, x)),
         Contender(REBUILT, lambda: _step_after_update(rebuilt, x)),
         Contender(PER_TENSOR, lambda: _step(per_tensor, x)),
         Contender(FLOOR, lambda: _step_landing(landing, x, slots)),
+        Contender(PLAIN_ACCUMULATING, lambda: _accumulate(plain_accumulating, x)),
+        Contender(PER_TENSOR_ACCUMULATING, lambda: _accumulate(per_tensor_accumulating, x)),
+        Contender(ONE_BUFFER_ACCUMULATING, lambda: _accumulate(one_buffer_accumulating, x)),
     ]
     wrapped = fairscale_wrap(mlp(depth))
     out.append(
@@ -121,11 +164,7 @@ def contenders(depth: int, naive: bool) -> list[Contender]:
 
 
 def _sweep(settings: Settings, depths: list[int], naive_cap: int) -> dict[int, dict[str, Samples]]:
-    found = {}
-    for depth in depths:
-        # The quadratic contender is slow: the sweep uses the minimum of rounds.
-        found[depth] = interleave(contenders(depth, naive=depth <= naive_cap), settings, rounds=5)
-    return found
+    return {depth: interleave(contenders(depth, naive=depth <= naive_cap), settings) for depth in depths}
 
 
 def _sweep_table(found: dict[int, dict[str, Samples]], naive_cap: int) -> Table:
@@ -138,6 +177,8 @@ def _sweep_table(found: dict[int, dict[str, Samples]], naive_cap: int) -> Table:
             "flat, rebuilt",
             "per-tensor",
             "per-tensor floor",
+            "plain, accumulating",
+            "per-tensor, accumulating",
             FAIRSCALE,
             NAIVE,
             "flat / plain",
@@ -146,19 +187,36 @@ def _sweep_table(found: dict[int, dict[str, Samples]], naive_cap: int) -> Table:
             "floor / plain",
             "fairscale / plain",
             "naive / plain",
+            "per-tensor / floor (paired)",
+            "per-tensor / plain, accumulating (paired)",
+            "one buffer / plain, accumulating (paired)",
         ],
     )
     for depth, res in found.items():
         cells = [
             fmt_time(res[n].median) if n in res else "-"
-            for n in (PLAIN, FLAT, REBUILT, PER_TENSOR, FLOOR, FAIRSCALE, NAIVE)
+            for n in (
+                PLAIN,
+                FLAT,
+                REBUILT,
+                PER_TENSOR,
+                FLOOR,
+                PLAIN_ACCUMULATING,
+                PER_TENSOR_ACCUMULATING,
+                FAIRSCALE,
+                NAIVE,
+            )
         ]
         compared = (FLAT, REBUILT, PER_TENSOR, FLOOR, FAIRSCALE, NAIVE)
         ratios = [fmt_ratio(ratio(res, n, PLAIN)) for n in compared]
-        table.add(depth, *cells, *ratios)
+        paired = [
+            fmt_ratio(paired_ratio(res, PER_TENSOR, FLOOR)),
+            fmt_ratio(paired_ratio(res, PER_TENSOR_ACCUMULATING, PLAIN_ACCUMULATING)),
+            fmt_ratio(paired_ratio(res, ONE_BUFFER_ACCUMULATING, PLAIN_ACCUMULATING)),
+        ]
+        table.add(depth, *cells, *ratios, *paired)
     table.notes += [
-        f"Naive slicing is run up to depth {naive_cap} only (its backward is quadratic in depth); "
-        "the sweep uses 5 rounds.",
+        f"Naive slicing is run up to depth {naive_cap} only (its backward is quadratic in depth).",
         f'`{REBUILT}` ("flat, rebuilt"): before each pass the flat parameter\'s version is bumped, as '
         "an optimizer step does, so the views are rebuilt (one split per pass) as they are in training.",
         f'`{PER_TENSOR}` ("per-tensor"): `storage.unflatten()` after registering; the forward reads '
@@ -166,6 +224,12 @@ def _sweep_table(found: dict[int, dict[str, Samples]], naive_cap: int) -> Table:
         f'`{FLOOR}` ("per-tensor floor"): the plain step and one `_foreach_copy_` of every gradient into '
         "one flat buffer, no library: the memory pass per-tensor mode owes after `zero_grad()` (autograd "
         "gives each leaf fresh gradient memory), and so the least per-tensor mode can cost here.",
+        '"accumulating": no `zero_grad()` between passes (micro-batches): the gradients are added into the '
+        "plain model's own and into per-tensor mode's slots in place. \"one buffer\": the plain model with "
+        "its weights in one buffer and its gradients in another (per-tensor mode's layout by hand, no "
+        "library), the floor of per-tensor mode when gradients accumulate.",
+        "(paired): the median over rounds of the two contenders' times in the same round; the other "
+        "ratios are of the medians.",
     ]
     return table
 
@@ -246,6 +310,16 @@ def run(settings: Settings) -> Report:
         report.checks.append(at_most(f"MLP depth {d}: per-tensor mode / plain", per_tensor, TARGET))
         floor = ratio(res_d, FLOOR, PLAIN)
         report.checks.append(at_most(f"MLP depth {d}: per-tensor floor (no library) / plain", floor, TARGET))
+        over_floor = paired_ratio(res_d, PER_TENSOR, FLOOR)
+        report.checks.append(at_most(f"MLP depth {d}: per-tensor mode / its floor", over_floor, FLOOR_TARGET))
+        accumulating = paired_ratio(res_d, PER_TENSOR_ACCUMULATING, PLAIN_ACCUMULATING)
+        report.checks.append(
+            at_most(f"MLP depth {d}: per-tensor mode / plain, gradients accumulating", accumulating, TARGET)
+        )
+        layout = paired_ratio(res_d, ONE_BUFFER_ACCUMULATING, PLAIN_ACCUMULATING)
+        report.checks.append(
+            at_most(f"MLP depth {d}: one buffer (no library) / plain, gradients accumulating", layout, TARGET)
+        )
         rebuilt = ratio(res_d, REBUILT, PLAIN)
         report.checks.append(
             at_most(f"MLP depth {d}: flat / plain, views rebuilt as in training", rebuilt, REBUILT_TARGET)

@@ -44,6 +44,8 @@ def test_quick_run_prints_every_table(tmp_path: Path) -> None:
     ):
         assert f"### {title}" in out, title
     assert "MLP depth 10: per-tensor floor (no library) / plain" in out  # the floor, measured in the same run
+    assert "MLP depth 10: per-tensor mode / its floor" in out
+    assert "MLP depth 10: per-tensor mode / plain, gradients accumulating" in out
     assert "ddp: skipped in --quick" in out
     assert "mixed_precision: skipped in --quick" in out
     assert "FAILED" not in out
@@ -165,6 +167,16 @@ def test_per_tensor_in_process_ab_prints_every_optimizer_and_contender(tmp_path:
         assert f"{label}: 3 turns" in done.stdout, label
     for contender in ("plain", "per-tensor mode", "register_flat_storage"):
         assert done.stdout.count(f"| {contender} | ") == 3, contender
+
+
+def test_per_tensor_mlp_in_process_ab_prints_every_contender_and_ratio(tmp_path: Path) -> None:
+    """`python -m benchmarks.ab_per_tensor_mlp --quick` times the MLP's per-tensor contenders call by call."""
+    done = _run(["-m", "benchmarks.ab_per_tensor_mlp", "--quick", "--turns", "3"], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    for contender in ("plain", "floor", "per-tensor", "plain, accumulating", "per-tensor, accumulating"):
+        assert f" {contender} " in done.stdout, contender
+    for ratio in ("per-tensor / floor ", "per-tensor, accumulating / plain, accumulating "):
+        assert ratio in done.stdout, ratio
 
 
 def test_missing_fairscale_is_reported_not_failed(tmp_path: Path) -> None:

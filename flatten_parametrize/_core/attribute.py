@@ -16,12 +16,11 @@ from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
 from .names import MODULE_STATE_ATTR
-from .view_cache import _CURRENT, same_memory
+from .view_cache import same_memory
 from .writes import served_parameter
 
 __all__ = ["make_property"]
 
-_MISSING = object()
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _is_grad_enabled = torch.is_grad_enabled
 
@@ -44,16 +43,17 @@ def make_property(name: str) -> property:
     """
 
     def fget(module: nn.Module) -> Tensor:
-        param = module._parameters.get(name, _MISSING)
-        state = module.__dict__[MODULE_STATE_ATTR]
-        if param is not _MISSING:  # unflattened mode, or a parameter put there around the view
-            return served_parameter(module, state, name, param)
+        attrs = module.__dict__
+        state = attrs[MODULE_STATE_ATTR]
+        params = attrs["_parameters"]
+        if name in params:  # unflattened mode, or a parameter put there around the view
+            return served_parameter(module, state, name, params[name])
         group, index = state.slots[name]
         # The cache hit of GroupViews.view, inlined (one Python call less per read); every
         # other case (tracers, a first read, another grad mode, stale views) goes there.
         if _jit_trace._trace_module_map is None and not _is_dynamo_compiling():
             flat = group.params[group.flat_name]
-            entry = group._tls.__dict__.get(_CURRENT)
+            entry = group._tls.current
             if (
                 entry is not None
                 and entry.flat is flat

@@ -3,13 +3,15 @@
 The gradient owner (``grad.py``, ``leaf_grads.py``), the view cache, gradient
 sync and ``ShardedOptimizer`` need a few private entry points of torch's
 autograd engine: the id of the backward in progress, a callback at its end,
-the node it runs, whether it will run a node, and the post-accumulate-grad
-hooks of a tensor. They are reached here only, so that a change of torch's
-private API is met in one module.
+the node it runs, whether it will run a node, the post-accumulate-grad
+hooks of a tensor, and a gradient hook put on a tensor without a handle. They
+are reached here only, so that a change of torch's private API is met in one
+module.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -19,6 +21,7 @@ __all__ = [
     "current_node",
     "graph_task_id",
     "has_post_accumulate_grad_hooks",
+    "hook_gradient",
     "queue_callback",
     "run_post_accumulate_grad_hooks",
     "will_execute",
@@ -49,3 +52,21 @@ def run_post_accumulate_grad_hooks(tensor: Tensor) -> None:
     hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
     for hook in tuple(hooks.values()) if hooks else ():
         hook(tensor)
+
+
+def hook_gradient(tensor: Tensor, node: Any, key: object, hook: Callable[[Tensor], None]) -> None:
+    """Have backward call ``hook(grad)`` at the gradient of ``tensor`` (``node``: its ``grad_fn``).
+
+    What ``tensor.register_hook(hook)`` does (a second call with the same ``key`` replaces the
+    hook), without the handle it makes and its per-call import: a quarter of its cost, which is
+    paid at every forward that hooks its output. A tensor subclass gets ``register_hook`` itself.
+    """
+    if type(tensor) is not Tensor:
+        tensor.register_hook(hook)
+        return
+    hooks: dict[Any, Any] | None = tensor._backward_hooks
+    if hooks is None:
+        hooks = OrderedDict()
+        tensor._backward_hooks = hooks
+        node._register_hook_dict(tensor)
+    hooks[key] = hook

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .compiling import never_traced
 from .grad import BASE_GRAD, GroupGrad, set_grad
@@ -226,6 +227,34 @@ class FlatParameter(nn.Parameter):
             views.grads.release(self)
         else:
             set_grad(self, None)
+
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+        """Register ``hook`` as torch does; in per-tensor mode it runs once the group's leaves landed.
+
+        In per-tensor mode the members are leaf parameters that backward accumulates into: the
+        group's gradient owner then hooks them, so that the flat parameter's hooks run as soon as
+        its last leaf of a backward got its gradient (``_core/leaf_grads.py``).
+
+        Args:
+            hook: called with the flat parameter after its gradient of a backward is final.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+
+        Example:
+            >>> flat = FlatParameter(torch.zeros(3), names=["a"], shapes=[(3,)], numels=[3])
+            >>> seen = []
+            >>> handle = flat.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum()))
+            >>> (flat * 2).sum().backward()
+            >>> seen
+            [tensor(6.)]
+            >>> handle.remove()
+        """
+        handle = super().register_post_accumulate_grad_hook(hook)
+        views = _served(self)
+        if views is not None:
+            views.grads.flat_hooked()
+        return handle
 
     def metadata(self) -> tuple[list[str], list[torch.Size], list[int]]:
         """Return ``(names, shapes, numels)`` of the tensors stored in this buffer.

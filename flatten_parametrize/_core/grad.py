@@ -369,6 +369,11 @@ class GroupGrad:
         if self.lent is not None:
             fresh.lend(self.lent)
 
+    def flat_hooked(self) -> None:
+        """The flat parameter got a post-accumulate-grad hook: in per-tensor mode, hook the leaves for it."""
+        if self.leaves is not None:
+            self.leaves.watch_flat()
+
     def exit_leaves(self, tx: Transaction) -> None:
         """Per-tensor mode ends (undone with ``tx``): unhook the leaves; the flat gradient is the slot's.
 

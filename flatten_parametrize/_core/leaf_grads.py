@@ -13,26 +13,40 @@ gradient owner (``grad.GroupGrad``):
 * once a leaf's ``.grad`` is its slot's view of the flat gradient (after the
   first backward, and after ``zero_grad(set_to_none=False)``), autograd
   accumulates into it in place;
-* each leaf has a post-accumulate-grad hook: at the first gradient of a
-  backward it has the end of that backward call :meth:`LeafGrads.end`. There,
-  in one pass over the leaves, a gradient that autograd put elsewhere (after
-  ``zero_grad()``, whose default sets it to ``None``) is copied into its
-  slot, which becomes the leaf's ``.grad``; the slots of leaves without a
-  gradient are zeroed (the flat gradient is then the plain model's
-  gradients, zeros where it has none; a flat gradient made there, as after
-  ZeRO-2 released the last one, starts empty and each of its elements is
-  written once: copied, or zeroed with the padding between slots); and the
-  flat parameter's own post-accumulate-grad hooks run, as they would in flat
-  mode (grad sync and ``ShardedOptimizer`` reduce the flat gradient there). When the flat
-  parameter has such hooks, the first gradient also counts the leaves this
-  backward will accumulate, and the last of them runs that end at once,
-  during backward, so that the group's reduction overlaps the rest of
-  backward as a flat parameter's does (a leaf whose gradient never comes,
-  e.g. a node that returned none, leaves it to the backward's end). Under a
-  mixed-precision policy the backward lands each gradient in its slot itself
-  (:meth:`LeafGrads.receive`); when nothing waits for the flat gradient during
-  it, the hooks sit that backward out (``_Quiet``) and reading the flat
-  gradient does the pass below;
+* the registered module's forward hooks its output (``_install/per_tensor.py``): a
+  backward that reaches it calls :meth:`LeafGrads.arm` (one Python call per backward,
+  none per leaf), which gives each leaf whose ``.grad`` is ``None`` (after
+  ``zero_grad()``, whose default sets it so) its zeroed slot of the flat gradient
+  as ``.grad`` (:meth:`LeafGrads._point`): autograd then adds the gradient into the
+  slot in place, as for a later micro-batch. At the end of that backward
+  (:meth:`LeafGrads.end`) a leaf that got no gradient has ``None`` again, as on the
+  plain model (also after a backward that raised); a gradient that was elsewhere
+  when the backward began (one that autograd put in memory of its own in an earlier
+  backward, a view of another buffer) is copied into its slot, the slots of leaves
+  without a gradient are zeroed (the flat gradient is then the plain model's
+  gradients, zeros where it has none), and the flat parameter's own
+  post-accumulate-grad hooks run, as they would in flat mode. A backward in which
+  every gradient already is its slot has nothing to do at its end. A backward that
+  does not pass through that output (a submodule called on its own, a loss that
+  skips the module's output, a compiled function that calls the module) leaves
+  each gradient where autograd put it, with the plain model's values: the next read
+  of the flat gradient, or the next backward that does pass, lands it; so does a
+  gradient that code moves elsewhere during a backward (a hook's ``p.grad = None``,
+  DDP's bucket views);
+* while the flat parameter has post-accumulate-grad hooks (grad sync and
+  ``ShardedOptimizer`` reduce the flat gradient there), each leaf has one too
+  (:meth:`LeafGrads.watch_flat`): every backward then runs that end, and the first
+  gradient counts the leaves this backward will accumulate, so that the last of them
+  runs it at once, during backward, and the group's reduction overlaps the rest of
+  backward as a flat parameter's does (a leaf whose gradient never comes, e.g. a node
+  that returned none, leaves it to the backward's end); no leaf is pointed at its slot
+  then, so that its ``.grad`` is ``None`` until its gradient came, for those hooks. A
+  flat gradient made at the end, as after ZeRO-2 released the last one, starts empty
+  and each of its elements is written once: copied, or zeroed with the padding
+  between slots. Under a mixed-precision policy the backward lands each gradient in
+  its slot itself (:meth:`LeafGrads.receive`); when nothing waits for the flat
+  gradient during it, that backward skips the end (reading the flat gradient does
+  the pass below);
 * reading the flat gradient does the same pass (:meth:`LeafGrads.reconcile`):
   it is ``None`` while every leaf's gradient is ``None``; otherwise a gradient
   assigned to a leaf (``p.grad = t``) is copied into its slot first and the
@@ -50,8 +64,10 @@ with either ``set_to_none`` behaves as on the plain model.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -70,6 +86,8 @@ __all__ = ["BASE_GRAD", "LeafGrads", "process_group_exists"]
 
 #: torch's own ``Tensor.grad`` descriptor (``FlatParameter.grad`` extends it).
 BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
+_grad_of = operator.attrgetter("grad")
+_version_of = operator.attrgetter("_version")
 
 
 class LeafGrads:
@@ -87,13 +105,14 @@ class LeafGrads:
         "_accumulators",
         "_claims",
         "_ended",
-        "_entries",
         "_flat",
         "_gap_ranges",
         "_handles",
         "_left",
         "_lent",
         "_lent_hooks",
+        "_open",
+        "_pointed",
         "_positions",
         "_quiet_task",
         "_regions",
@@ -120,11 +139,14 @@ class LeafGrads:
         #: count), and whether it already ran for that backward.
         self._left = 0
         self._ended = False
+        #: Whether backwards land the leaves' gradients (per-tensor mode, the flat parameter requires grad).
+        self._open = False
+        #: The leaves' hooks, while the flat parameter has hooks of its own (:meth:`watch_flat`).
         self._handles: list[RemovableHandle] = []
-        #: ``(hook dict, key)`` of each leaf's hook, as :class:`_Quiet` takes them out (looked up once, not
-        #: at each backward: asking the handles was a third of the time taking the entries out).
-        self._entries: list[tuple[dict[int, Any], int]] = []
-        #: The backward whose :meth:`receive` took the hooks out (``-1``: none).
+        #: The leaves :meth:`arm` pointed at their zeroed slots, those slots, and the slots' versions then.
+        #: Also whether a leaf's gradient was elsewhere than its slot then (the end lands it).
+        self._pointed: tuple[Sequence[Tensor], Sequence[Tensor], list[int], bool] | None = None
+        #: The backward whose :meth:`receive` found nothing waiting for the flat gradient (``-1``: none).
         self._quiet_task = -1
         #: Member index -> position in ``leaves``.
         self._positions = {index: position for position, index in enumerate(self.indices)}
@@ -142,22 +164,33 @@ class LeafGrads:
         self.reopen()
 
     def holds(self, flat: Tensor, leaves: Sequence[tuple[int, Tensor]]) -> bool:
-        """Return whether this is ``flat``'s per-tensor mode over these very ``leaves``, hooked."""
+        """Return whether this is ``flat``'s per-tensor mode over these very ``leaves``, open."""
         return (
-            bool(self._handles) == flat.requires_grad
+            self._open == flat.requires_grad
             and self._flat() is flat
             and self.indices == tuple(index for index, _ in leaves)
             and all(mine is leaf for mine, (_, leaf) in zip(self.leaves, leaves))
         )
 
     def reopen(self) -> None:
-        """Hook every leaf (none if the flat parameter does not require grad)."""
+        """Land the leaves' gradients from now on (not if the flat parameter does not require grad)."""
         flat = self._flat()
-        if self._handles or flat is None or not flat.requires_grad:
+        if self._open or flat is None or not flat.requires_grad:
+            return
+        self._open = True
+        self.watch_flat()
+
+    def watch_flat(self) -> None:
+        """Hook every leaf if the flat parameter has post-accumulate-grad hooks (and the leaves are not yet).
+
+        Its hooks then run as soon as the group's last leaf of a backward landed (see the module's
+        docstring). ``FlatParameter.register_post_accumulate_grad_hook`` calls it.
+        """
+        flat = self._flat()
+        if not self._open or self._handles or flat is None or not has_post_accumulate_grad_hooks(flat):
             return
         hook = _landing(weakref.ref(self))
         self._handles = [leaf.register_post_accumulate_grad_hook(hook) for leaf in self.leaves]
-        self._entries = [(hooks, h.id) for h in self._handles if (hooks := h.hooks_dict_ref()) is not None]
 
     def close(self) -> None:
         """Unhook the leaves and forget the backward in flight (per-tensor mode ends)."""
@@ -165,7 +198,8 @@ class LeafGrads:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._entries = []
+        self._open = False
+        self._pointed = None
         self._quiet_task = -1
         self._regions = None
         self._claims.clear()
@@ -174,81 +208,179 @@ class LeafGrads:
         self._ended = False
 
     # -------------------------------------------------------------- backward
+    def arm(self, task: int, point: bool) -> None:
+        """Backward ``task`` reached the output of a forward of the registered module: :meth:`end` at its end.
+
+        With ``point`` (the leaves are the forward's weights: no compute copy stands in for them),
+        each leaf without a gradient gets its zeroed slot as ``.grad`` first, so that autograd adds
+        its gradient into the slot in place: no memory of its own to copy from and free at the end
+        (see :meth:`_point`); and where every leaf's gradient then is its slot the end has nothing to
+        land. Not while the leaves are hooked (:meth:`watch_flat`): there a leaf's ``.grad`` is
+        ``None`` until its gradient came, as on the plain model, for the flat parameter's hooks that
+        run during backward; nor under ``create_graph``, where each gradient has a graph of its own.
+        """
+        if self.task == task or not self._open:
+            return
+        self.watch_flat()  # hooks added to the flat parameter behind its method's back
+        if point and not self._handles and not torch.is_grad_enabled():
+            self.task = task
+            if self._point():
+                self._ended, self._left = False, 0
+                queue_callback(_End(self))
+        else:
+            self._begin(task)
+
     def landed(self, task: int) -> None:
         """A leaf gradient of backward ``task`` landed: run :meth:`end` after the last, or when it ends."""
         if self.task != task:
-            self.task = task
-            self._ended = False
-            self._left = self._expected()
-            queue_callback(self._backward_end)
+            self._begin(task)
         if self._left:
             self._left -= 1
             if not self._left:
                 self._ended = True
                 self.end()
 
+    def _begin(self, task: int) -> None:
+        """Backward ``task`` lands the leaves' gradients: count the hooked leaves, queue the end."""
+        self.task = task
+        self._ended = False
+        self._left = self._expected()
+        queue_callback(_End(self))
+
     def _expected(self) -> int:
         """Return how many leaves this backward accumulates (0 if nothing waits for the flat gradient)."""
         flat = self._flat()
-        if flat is None or not has_post_accumulate_grad_hooks(flat):
+        if not self._handles or flat is None or not has_post_accumulate_grad_hooks(flat):
             return 0
         try:
-            return sum(self._accumulates(position, strict=True) for position in range(len(self.leaves)))
+            return sum(map(self._accumulates, range(len(self.leaves))))
         except RuntimeError:  # not a backward that accumulates: leave it to the end
             return 0
 
+    def _point(self) -> bool:
+        """Give each leaf without a gradient its zeroed slot as ``.grad``; return whether the end has work.
+
+        Autograd then adds the leaf's gradient into its slot (``grad += new``, as for a gradient kept
+        from an earlier micro-batch) instead of handing the leaf memory of its own, which the end of
+        backward would copy into the slot and free: after ``zero_grad()`` that copy, and glibc
+        returning the freed memory to the system and faulting it in again at the next backward,
+        were most of per-tensor mode's cost over the plain model. A leaf that gets no gradient (not
+        in this backward, or a node returned none for it) is given ``None`` back at the end
+        (:meth:`_unpoint`), as on the plain model: the slots carry version counters of their own
+        (:meth:`_regions_of`), which only an accumulation moves during backward. Where every leaf's
+        gradient was ``None`` or its slot, the end does only that (and nothing where none was
+        ``None``: the gradients accumulate in their slots); a gradient that code puts elsewhere during
+        backward (a hook's ``p.grad = None``, DDP's bucket views) lands at the next read of the flat
+        gradient, as after a backward that skips the module's output. Every step is one loop of
+        torch's or Python's in C over the leaves: no Python per leaf.
+        """
+        flat = self._flat()
+        if flat is None:
+            return True
+        leaves = self.leaves
+        current, fresh = _flat_grad(flat, contiguous=True, empty=False)  # fresh: zeros
+        regions = self._regions_of(current)
+        if not fresh and all(map(operator.is_, map(_grad_of, leaves), regions)):
+            return False  # micro-batches: every gradient accumulates in its slot
+        grads = list(map(_grad_of, leaves))
+        positions = list(compress(range(len(leaves)), map(operator.is_, grads, repeat(None))))
+        elsewhere = len(positions) + sum(map(operator.is_, grads, regions)) != len(leaves)
+        if not positions:
+            return elsewhere
+        every = len(positions) == len(leaves)
+        pointed = leaves if every else [leaves[position] for position in positions]
+        targets = regions if every else [regions[position] for position in positions]
+        if not fresh:  # grad mode is off (see arm)
+            if every:
+                current.zero_()
+            else:
+                torch._foreach_zero_(targets)
+        try:
+            any(map(setattr, pointed, repeat("grad"), targets))
+        except RuntimeError:  # a leaf of another shape (`.data = t`): autograd gives it memory of its own,
+            kept = [(leaf, target) for leaf, target in zip(pointed, targets) if leaf.shape == target.shape]
+            pointed, targets = [leaf for leaf, _ in kept], [target for _, target in kept]
+            any(map(setattr, pointed, repeat("grad"), targets))
+            elsewhere = True  # and the storage's next sync point lays the groups out again
+        self._pointed = (pointed, targets, list(map(_version_of, targets)), elsewhere)
+        return True
+
+    def _unpoint(self) -> bool:
+        """Give ``None`` back to each leaf :meth:`_point` pointed at its slot that got no gradient since.
+
+        Returns:
+            Whether the leaves' gradients need landing still (:meth:`reconcile`): a leaf's gradient
+            was elsewhere than its slot when the backward began, or nothing was pointed.
+        """
+        pointed, self._pointed = self._pointed, None
+        if pointed is None:
+            return True
+        leaves, targets, versions, elsewhere = pointed
+        if any(map(operator.eq, map(_version_of, targets), versions)):  # some got no gradient
+            for leaf, target, version in zip(leaves, targets, versions):
+                if target._version == version and _grad_of(leaf) is target:
+                    leaf.grad = None
+        return elsewhere
+
     def _backward_end(self) -> None:
-        """Engine callback: run :meth:`end` unless the last leaf already did."""
-        ended, self._ended, self._left, self.task = self._ended, False, 0, -1
-        if not ended:
+        """Engine callback: run :meth:`end` unless the last leaf already did, or the backward was quiet."""
+        ended, quiet = self._ended, self._quiet_task == self.task
+        self._ended, self._left, self.task = False, 0, -1
+        if not ended and not quiet:
             self.end()
 
     def end(self) -> None:
         """Land the leaves' gradients in the flat gradient, then run the flat's hooks."""
         flat = self._flat()
-        if flat is None or not self._handles:
+        if flat is None or not self._open:
             return
-        self.reconcile(flat)
-        run_post_accumulate_grad_hooks(flat)
+        if self._unpoint() or has_post_accumulate_grad_hooks(flat):
+            self.reconcile(flat)
+            run_post_accumulate_grad_hooks(flat)
 
     # ---------------------------------------------------------- the flat gradient
     def reconcile(self, flat: Tensor) -> Tensor | None:
         """Make ``flat``'s gradient hold its leaves' gradients; return it (``None``: no leaf has one)."""
-        grads = [leaf.grad for leaf in self.leaves]
+        leaves = self.leaves
+        grads = list(map(_grad_of, leaves))
         if self._lent is not None:  # a placeholder is no gradient of this process
             grads = [None if grad is shown else grad for grad, shown in zip(grads, self._lent[1])]
         if all(grad is None for grad in grads):
             return None
-        pending = self._pending()
         current, fresh = _flat_grad(flat, contiguous=False, empty=True)  # fresh: each element written below
         regions = self._regions_of(current)
+        if not fresh and all(map(operator.is_, grads, regions)):
+            return current  # autograd accumulated into every slot in place
+        pending = self._pending()
         zeros: list[Tensor] = self._gaps(current) if fresh else []
         targets: list[Tensor] = []
         sources: list[Tensor] = []
-        moved: list[tuple[Tensor, Tensor]] = []
-        for position, (leaf, grad, region) in enumerate(zip(self.leaves, grads, regions)):
-            if grad is region:  # autograd accumulated in place: the common path
+        moved: list[int] = []
+        for position, grad in enumerate(grads):
+            region = regions[position]
+            if grad is region:
                 continue
             if grad is None:
                 if fresh or position not in pending:  # a slot that backward filled keeps its gradient
                     zeros.append(region)
-                continue
-            if grad.shape != region.shape:  # the leaf got another shape (`.data = t`): the storage's next
-                continue  # sync point lays the groups out again, with this gradient in the leaf's new slot
-            if not fresh and _same_elements(grad, region):  # a view of the slot made elsewhere (mode switch)
-                moved.append((leaf, region))
-                continue
-            targets.append(region)
-            sources.append(grad)
-            if grad._base is None and not grad.requires_grad:
-                moved.append((leaf, region))
+            elif grad.shape != region.shape:  # the leaf got another shape (`.data = t`): the storage's next
+                pass  # sync point lays the groups out again, with this gradient in the leaf's new slot
+            elif grad._base is None and not grad.requires_grad:  # memory of its own (autograd gave it)
+                targets.append(region)
+                sources.append(grad)
+                moved.append(position)
+            elif not fresh and _same_elements(grad, region):  # the slot's view made elsewhere (mode switch)
+                moved.append(position)
+            else:  # a view of another buffer (DDP's bucket), or with a graph: copied at each pass
+                targets.append(region)
+                sources.append(grad)
         with torch.no_grad():
             if zeros:
                 torch._foreach_zero_(zeros)
             if targets:
                 torch._foreach_copy_(targets, sources)
-        for leaf, region in moved:  # later backwards accumulate in the slot
-            leaf.grad = region
+        for position in moved:  # later backwards accumulate in the slot
+            leaves[position].grad = regions[position]
         return current
 
     def receive(
@@ -295,7 +427,7 @@ class LeafGrads:
                 and own[position] is leaf
                 and type(grad) is Tensor
                 and position not in pending
-                and self._accumulates(position)
+                and self._accumulates_here(position)
             ):
                 rest.append((where, grad))
                 continue
@@ -336,23 +468,18 @@ class LeafGrads:
         return out
 
     def _quiet(self, task: int, flat: Tensor | None) -> bool:
-        """Take the leaves' hooks out for backward ``task`` if nothing waits for the flat gradient during it.
+        """Return whether nothing waits for the flat gradient during backward ``task`` (it skips :meth:`end`).
 
-        Such a backward lands every gradient in its slot here (:meth:`receive`), so the hooks would
-        only queue the pass at its end (:meth:`end`), which reading the flat gradient does anyway
-        (:meth:`reconcile`): a hook call per leaf and that pass were about 0.5% of a small GPT-2's
-        forward+backward. Grad sync and ``ShardedOptimizer`` hook the flat parameter: then the
-        leaves' hooks stay, to reduce during backward. The hooks are back when the backward ends.
-
-        Returns:
-            Whether the hooks are out for this backward.
+        Such a backward lands every gradient in its slot here (:meth:`receive`), so the pass at its
+        end (:meth:`end`) would find nothing to land, and reading the flat gradient does it anyway
+        (:meth:`reconcile`): it was about 0.5% of a small GPT-2's forward+backward. Grad sync and
+        ``ShardedOptimizer`` hook the flat parameter: then the end runs, to reduce during backward.
         """
         if self._quiet_task == task:
             return True
-        if not self._handles or flat is None or has_post_accumulate_grad_hooks(flat):
+        if not self._open or flat is None or has_post_accumulate_grad_hooks(flat):
             return False
         self._quiet_task = task
-        queue_callback(_Quiet(self))
         return True
 
     def _pending(self) -> set[int]:
@@ -364,31 +491,36 @@ class LeafGrads:
             self._claims = {task: self._claims[task] for task in live}
         return set().union(*live.values()) if live else _NONE
 
-    def _accumulates(self, position: int, strict: bool = False) -> bool:
+    def _accumulates(self, position: int) -> bool:
         """Return whether the backward in progress accumulates into leaf ``position``'s ``.grad``.
 
-        A leaf frozen in per-tensor mode (``requires_grad_(False)``) has no accumulator: never.
-
         Raises:
-            RuntimeError: if ``strict``, for a call that accumulates nothing (``torch.autograd.grad()``).
+            RuntimeError: in ``torch.autograd.grad()``, where gradients are returned, not accumulated.
         """
         if not self.leaves[position].requires_grad:
             return False
+        node = self._accumulator(position)
+        return node is not None and bool(will_execute(node))
+
+    def _accumulates_here(self, position: int) -> bool:
+        """:meth:`_accumulates`, ``False`` in ``torch.autograd.grad()``."""
         try:
-            return bool(will_execute(self._accumulator(position)))
-        except RuntimeError:  # torch.autograd.grad(): the gradient is returned, not accumulated
-            if strict:
-                raise
+            return self._accumulates(position)
+        except RuntimeError:
             return False
 
     def _accumulator(self, position: int) -> Any:
-        """Return leaf ``position``'s gradient accumulator (the autograd node that sets its ``.grad``)."""
+        """Return leaf ``position``'s gradient accumulator (the autograd node that sets its ``.grad``).
+
+        ``None`` where autograd records nothing for the leaf here (inside a ``torch.func`` transform).
+        """
         node = self._accumulators.get(position)
         if node is None:
             leaf = self.leaves[position]
             with torch.enable_grad():
                 view_node = leaf.view_as(leaf).grad_fn
-            assert view_node is not None  # a leaf that requires grad
+            if view_node is None:
+                return None
             node = view_node.next_functions[0][0]
             self._accumulators[position] = node
         return node
@@ -466,11 +598,15 @@ class LeafGrads:
         return [flat[start : start + numel] for start, numel in ranges]
 
     def _regions_of(self, grad: Tensor) -> list[Tensor]:
-        """Return the leaves' slots of ``grad``, the flat gradient, split once per tensor."""
+        """Return the leaves' slots of ``grad``, the flat gradient, split once per tensor.
+
+        Each slot is an alias of its elements with a version counter of its own (``.data`` of its
+        view), so that an in-place accumulation into one slot moves no other's (:meth:`_unpoint`).
+        """
         cached = self._regions
         if cached is None or cached[0] is not grad:
             views = self._split(grad)
-            cached = self._regions = (grad, [views[index] for index in self.indices])
+            cached = self._regions = (grad, [views[index].data for index in self.indices])
         return cached[1]
 
 
@@ -492,37 +628,30 @@ def _flat_grad(flat: Tensor, contiguous: bool, empty: bool) -> tuple[Tensor, boo
     return current, True
 
 
-class _Quiet:
-    """The leaves' hook entries, out of their dicts for one backward; put back when it ends or raises.
+class _End:
+    """The end of one backward, queued on it: :meth:`LeafGrads.end` if it completes.
 
-    The backward holds it (its end callback) and nothing else does: when the backward ends the call
-    puts the entries back, and one that raised drops it, which puts them back too (unless per-tensor
-    mode ended meanwhile: its hooks are gone). An entry goes back first in its dict if it was first.
+    The backward holds it and nothing else does: one that raises drops it unrun, and then the
+    leaves that :meth:`LeafGrads._point` gave their slots and that got no gradient get ``None``
+    back, as on the plain model.
     """
 
-    __slots__ = ("_entries", "_owner", "_source")
+    __slots__ = ("_owner", "_ran")
 
     def __init__(self, owner: LeafGrads) -> None:
         self._owner = weakref.ref(owner)
-        self._source = owner._handles
-        #: ``(hook dict, key, hook, whether it was first of several)`` of each entry taken out.
-        self._entries: list[tuple[dict[int, Any], int, Any, bool]] = []
-        for hooks, key in owner._entries:
-            if key in hooks:
-                first = len(hooks) > 1 and next(iter(hooks)) == key
-                self._entries.append((hooks, key, hooks.pop(key), first))
+        self._ran = False
 
     def __call__(self) -> None:
-        entries, self._entries = self._entries, []
+        self._ran = True
         owner = self._owner()
-        if owner is None or owner._handles is not self._source:
-            return
-        for hooks, key, hook, first in entries:
-            hooks[key] = hook
-            if first:
-                hooks.move_to_end(key, last=False)  # type: ignore[attr-defined]  # an OrderedDict
+        if owner is not None:
+            owner._backward_end()
 
-    __del__ = __call__
+    def __del__(self) -> None:
+        owner = self._owner()
+        if not self._ran and owner is not None:
+            owner._unpoint()
 
 
 class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can point at

@@ -63,8 +63,8 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_tracing = torch._C._is_tracing
 _data_ptr = Tensor.data_ptr
 _increment_version = torch.autograd.graph.increment_version
-#: Key of a thread's current entry in its cache dict; the entries themselves are keyed by grad
-#: mode (``True`` / ``False``).
+#: Key of a thread's current entry in its cache dict (:attr:`_ThreadViews.current`); the entries
+#: themselves are keyed by grad mode (``True`` / ``False``).
 _CURRENT = "current"
 
 #: The work spent looking for writes made around the views (for tests and benchmarks):
@@ -128,6 +128,16 @@ class ViewSource(Protocol):
         the flat parameter's ``.grad`` read by an optimizer step, a ``.data``
         read, a rebuilt cache, the library's own operations.
         """
+
+
+class _ThreadViews(threading.local):
+    """A group's cache in each thread: its entries by grad mode, and the entry its last read used.
+
+    ``current`` reads ``None`` in a thread that made no entry yet (a class default): the cached
+    read (``attribute.py``) takes it with one attribute lookup, no dict method call.
+    """
+
+    current: CacheEntry | None = None
 
 
 class CacheEntry:
@@ -324,7 +334,7 @@ class GroupViews:
         self._split = list(layout.split_sizes)
         self._segments = layout.segments
         self._shapes = layout.shapes
-        self._tls = threading.local()
+        self._tls = _ThreadViews()
         #: Every thread's live cache entries, for :meth:`sync`.
         self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
@@ -355,7 +365,7 @@ class GroupViews:
         try:
             self.sync()
         finally:
-            self._tls = threading.local()
+            self._tls = _ThreadViews()
             self._entries = weakref.WeakSet()
             self._masters = None
 
@@ -380,7 +390,7 @@ class GroupViews:
             if traced is None or traced[0] is not flat:
                 raise _submodule_trace_error(self, index)
             return traced[1][self._segments[index]].view(self._shapes[index])
-        entry: CacheEntry | None = self._tls.__dict__.get(_CURRENT)
+        entry = self._tls.current
         if entry is None or entry.flat is not flat or entry.grad is not _is_grad_enabled():
             return self._switch(flat, index)
         view = entry.views[index]
@@ -658,7 +668,7 @@ class GroupViews:
         new._segments = self._segments
         new._shapes = self._shapes
         new.names = self.names
-        new._tls = threading.local()
+        new._tls = _ThreadViews()
         new._entries = weakref.WeakSet()
         new._traced = None
         new._masters = None

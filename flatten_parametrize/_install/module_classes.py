@@ -49,6 +49,7 @@ __all__ = [
     "register_parameter",
     "save_to_state_dict",
     "state_dict",
+    "unscripted",
     "use_methods",
 ]
 
@@ -190,11 +191,28 @@ def apply_in_flat_mode(self: nn.Module, fn: Callable[..., Any], recurse: bool = 
             core.adopt_flat_params()
 
 
+#: Marks a forward hook of the library's that ``torch.jit.script`` leaves out (see :func:`unscripted`).
+_UNSCRIPTED = "_flat_parametrize_unscripted"
+
+
+def unscripted(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook``, a forward hook the library puts on a module, as one a script module goes without.
+
+    ``torch.jit.script`` compiles a module's hooks with it and refuses Python ones. Such a hook
+    does for eager backward passes what a script module does not need (per-tensor mode's
+    :func:`~._install.per_tensor._arm_backward`): :func:`prepare_scriptable` hands the scripter
+    the module without it.
+    """
+    setattr(hook, _UNSCRIPTED, True)
+    return hook
+
+
 def prepare_scriptable(self: nn.Module) -> nn.Module:
-    """Let ``torch.jit.script`` compile the module in unflattened mode only."""
+    """Let ``torch.jit.script`` compile the module in unflattened mode only, less :func:`unscripted` hooks."""
     state = _state(self)
     if state is None or not state.storage.is_flattened:
-        return self  # unflattened mode: the attributes are the module's own parameters
+        # unflattened mode: the attributes are the module's own parameters
+        return _without_unscripted_hooks(self)
     raise RuntimeError(
         f"torch.jit.script cannot compile {type(self).__name__}: it is part of a flattened module, "
         "whose attributes are served by the flat storage. Script it inside storage.unflattened(), "
@@ -202,6 +220,21 @@ def prepare_scriptable(self: nn.Module) -> nn.Module:
         "(copy = copy.deepcopy(model); remove_flat_storage(copy); torch.jit.script(copy)), "
         "or use torch.jit.trace on the registered module, which reads the flat parameters"
     )
+
+
+def _without_unscripted_hooks(module: nn.Module) -> nn.Module:
+    """Return ``module``, or a shallow copy of it (same parameters, submodules, buffers) without them."""
+    if not any(getattr(hook, _UNSCRIPTED, False) for hook in module._forward_hooks.values()):
+        return module
+    copy = type(module).__new__(type(module))
+    copy.__dict__.update(module.__dict__)
+    kept = {key: hook for key, hook in module._forward_hooks.items() if not getattr(hook, _UNSCRIPTED, False)}
+    copy.__dict__["_forward_hooks"] = type(module._forward_hooks)(kept)
+    for name in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        flags = module.__dict__.get(name)
+        if flags is not None:
+            copy.__dict__[name] = type(flags)((key, flag) for key, flag in flags.items() if key in kept)
+    return copy
 
 
 _SKIP = ("__dict__", "__weakref__")

@@ -10,30 +10,41 @@ for outside writes (``leaf_writes.LeafWatch``) and tells the features that have
 a per-tensor part (mixed precision's compute copies). On the way back it
 undoes all of it.
 
+The registered module gets a forward hook (:func:`_arm_backward`): it hooks the
+forward's output, so that a backward through it lands the leaves' gradients in
+the flat gradients at its end, with one Python call per backward instead of a
+hook per leaf (``LeafGrads.arm``). ``torch.jit.script`` leaves it out.
+
 While a feature works on the flat buffers during training (``forward_sync()``:
 gradient sync, a ``ShardedOptimizer``, compute copies), the registered module
-gets a forward pre-hook and an always-called forward hook: the pre-hook lands
-outside writes first (``leaf_writes.settle``), then each feature's
+also gets a forward pre-hook and an always-called forward hook: the pre-hook
+lands outside writes first (``leaf_writes.settle``), then each feature's
 ``before_forward()`` runs; the hook runs their ``after_forward()``. Without
-such a feature the forward is the plain module's, hooks and all, so that
+such a feature the forward is the plain module's, so that
 ``torch.jit.script`` compiles it.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from .._core.compiling import compiling_or_tracing, never_compiled
+from .._core.engine import graph_task_id, hook_gradient
 from .._core.leaves import mode_changed, register_leaves
 from .._core.names import registered_storage
 from .._core.records import Coordinator
 from .._core.transaction import Transaction
 from .leaf_writes import LeafWatch, settle
+from .module_classes import unscripted
 
 __all__ = ["PerTensorMode"]
+
+_functorch_level = torch._C._functorch.maybe_current_level
 
 
 class PerTensorMode:
@@ -45,6 +56,8 @@ class PerTensorMode:
 
     def __init__(self, storage: Coordinator) -> None:
         self._storage_ref = weakref.ref(storage)
+        #: The hook that :func:`_arm_backward` puts on each forward's output.
+        self.arm = _Arm(self._storage_ref)
         #: What the modules held when per-tensor mode began (``None`` in flat mode).
         self.watch: LeafWatch | None = None
         #: Set while :func:`leaf_writes.settle` lays the groups out again.
@@ -71,7 +84,7 @@ class PerTensorMode:
                 feature.per_tensor_ended(tx)
             for group in storage.groups():
                 group.grads.exit_leaves(tx)
-            _unhook(storage.module_unchecked, tx)
+            _unhook(storage.module_unchecked, tx, (_before_forward, _after_forward, _arm_backward))
         tx.set_attr(self, "watch", None)
         mode_changed()
 
@@ -90,6 +103,9 @@ class PerTensorMode:
         if root is None:  # the model is gone (an optimizer outliving it leaves): nothing to hook
             return
         tx = tx if tx is not None else Transaction()
+        if not any(hook is _arm_backward for hook in root._forward_hooks.values()):
+            tx.keep_dict(root._forward_hooks)
+            root.register_forward_hook(_arm_backward)
         needed = any(feature.forward_sync() for feature in storage.features)
         hooked = any(hook is _before_forward for hook in root._forward_pre_hooks.values())
         if needed and not hooked:
@@ -98,17 +114,75 @@ class PerTensorMode:
             root.register_forward_pre_hook(_before_forward, prepend=True)
             root.register_forward_hook(_after_forward, always_call=True)
         elif hooked and not needed:
-            _unhook(root, tx)
+            _unhook(root, tx, (_before_forward, _after_forward))
 
 
-def _unhook(root: nn.Module, tx: Transaction) -> None:
+def _unhook(root: nn.Module, tx: Transaction, ours: tuple[Any, ...]) -> None:
     for hooks in (root._forward_pre_hooks, root._forward_hooks, root._forward_hooks_always_called):
         tx.keep_dict(hooks)
     for hooks in (root._forward_pre_hooks, root._forward_hooks):
         for key, hook in list(hooks.items()):
-            if hook is _before_forward or hook is _after_forward:
+            if any(hook is mine for mine in ours):
                 del hooks[key]
                 root._forward_hooks_always_called.pop(key, None)
+
+
+class _Arm:
+    """The hook on a forward's output: the backward that reaches it lands the leaves' gradients at its end."""
+
+    __slots__ = ("_storage_ref",)
+
+    def __init__(self, storage_ref: weakref.ref[Coordinator]) -> None:
+        self._storage_ref = storage_ref  # weak: the graph may outlive the model
+
+    def __call__(self, grad: Tensor) -> None:
+        storage = self._storage_ref()
+        if storage is None:
+            return
+        task = graph_task_id()
+        for group in storage.groups():
+            leaves = group.grads.leaves
+            if leaves is not None:
+                # Where a compute copy stands in for the leaves, its node lands their gradients itself.
+                leaves.arm(task, point=group.views.source is None)
+
+
+def _tensors(output: Any, depth: int = 3) -> Iterator[Tensor]:
+    """Yield the tensors of a forward's output: itself, or in (nested) tuples, lists and dicts."""
+    if isinstance(output, Tensor):
+        yield output
+    elif depth and isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item, depth - 1)
+    elif depth and isinstance(output, dict):  # transformers' ModelOutput is one
+        for item in output.values():
+            yield from _tensors(item, depth - 1)
+
+
+@unscripted
+@never_compiled
+def _arm_backward(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of the registered module in per-tensor mode: hook each output backward may start from.
+
+    A backward that reaches one of them lands the leaves' gradients in the flat gradients at its
+    end (``LeafGrads.arm``). Under ``torch.compile``, tracing and ``torch.func``'s transforms (whose
+    gradients are returned, not accumulated) nothing is hooked; ``torch.compile(model)`` runs this
+    hook eagerly, on the compiled forward's output.
+    """
+    core = registered_storage(module)
+    if (
+        core is None
+        or core.is_flattened
+        or not torch.is_grad_enabled()
+        or compiling_or_tracing()
+        or _functorch_level() is not None
+    ):
+        return
+    arm = core.per_tensor.arm
+    for tensor in (output,) if type(output) is Tensor else _tensors(output):
+        node = tensor.grad_fn
+        if node is not None:
+            hook_gradient(tensor, node, arm, arm)
 
 
 @never_compiled

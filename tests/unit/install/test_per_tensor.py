@@ -345,3 +345,122 @@ def test_a_leafs_post_accumulate_grad_hook_fires_once_per_backward_with_its_grad
         model.zero_grad()
         model(torch.randn(3, 4)).float().sum().backward()
         assert len(seen) == 1 and torch.equal(seen.pop(), dict(storage.named_grads())["0.weight"])
+
+
+def test_a_backward_lands_the_gradients_with_one_call_per_group_and_no_hook_on_the_leaves(monkeypatch):
+    """Nothing hooks the flat parameter: no library hook on any leaf; the forward's output arms each group
+    once per backward, and after zero_grad() autograd adds every gradient into its slot (the same tensors
+    every step), with the plain model's values."""
+    from flatten_parametrize._core.leaf_grads import LeafGrads
+
+    plain, flat, storage = _pair()
+    assert all(not p._post_accumulate_grad_hooks for p in flat.parameters())
+    armed: list[int] = []
+    arm = LeafGrads.arm
+    monkeypatch.setattr(
+        LeafGrads, "arm", lambda self, task, point: (armed.append(task), arm(self, task, point))
+    )
+    monkeypatch.setattr(LeafGrads, "landed", lambda self, task: pytest.fail("a leaf hook ran"))
+    slots = None
+    for step in range(3):
+        for m in (plain, flat):
+            m.zero_grad()
+            _loss(m, step).backward()
+        assert len(armed) == step + 1 and len(set(armed)) == step + 1
+        if slots is None:
+            slots = [p.grad for p in flat.parameters()]
+        assert all(p.grad is slot for p, slot in zip(flat.parameters(), slots))
+        flat_grad = vars(torch._C.TensorBase)["grad"].__get__(storage["0"])
+        assert all(_in_flat_grad(p, flat_grad) for p in flat.parameters())
+        for p, q in zip(flat.parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+class _Raise(torch.autograd.Function):
+    """The identity whose backward raises."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stop here")
+
+
+class _Stops(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(_Raise.apply(self.first(x)))
+
+
+def test_a_leaf_that_a_node_gives_no_gradient_keeps_none_and_so_after_a_raise():
+    """A leaf whose accumulation runs without a gradient, and one that a backward which raised never
+    reached, keep `.grad is None` as on the plain model (no hook on the flat parameter)."""
+    model = _TwoStages()
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    model(torch.randn(2, 3)).sum().backward()
+    assert model.scale.grad is None and model.first.weight.grad is not None
+    assert torch.equal(storage.views_of([storage["0"].grad])["scale"], torch.zeros(1))
+    plain, model = _Stops(), _Stops()
+    register_flat_storage(model).unflatten()
+    for m in (plain, model):
+        with pytest.raises(RuntimeError, match="stop here"):
+            m(torch.randn(2, 3)).sum().backward()
+    assert [p.grad is None for p in model.parameters()] == [p.grad is None for p in plain.parameters()]
+    assert model.first.weight.grad is None and model.second.weight.grad is not None
+
+
+def test_a_backward_that_skips_the_registered_modules_output_lands_at_the_next_read():
+    """A submodule called on its own: the leaves get the plain model's gradients where autograd put them,
+    and reading the flat gradient (or the next backward through the module) lands them in their slots."""
+    plain, flat, storage = _pair()
+    x = torch.randn(2, 6)
+    for m in (plain, flat):
+        m[0](x).sum().backward()
+    assert torch.equal(flat[0].weight.grad, plain[0].weight.grad)
+    flat_grad = storage["0"].grad
+    assert _in_flat_grad(flat[0].weight, flat_grad) and flat[2].weight.grad is None
+    assert torch.equal(storage.views_of([flat_grad])["0.weight"], plain[0].weight.grad)
+    for m in (plain, flat):
+        m[0](x).sum().backward()
+        _loss(m, 1).backward()
+    for p, q in zip(flat.parameters(), plain.parameters()):
+        assert _in_flat_grad(p, storage["0"].grad) and torch.equal(p.grad, q.grad)
+
+
+class _DictOut(nn.Module):
+    """A model whose forward returns a dict (as transformers' models do), the loss inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        logits = self.head(self.body(x).tanh())
+        return {"logits": logits, "aux": (logits.detach(), [logits.sum()]), "loss": logits.pow(2).mean()}
+
+
+@pytest.mark.parametrize("root", ["loss", "logits"])
+def test_a_backward_from_any_tensor_of_a_nested_output_lands_the_gradients_by_its_end(root):
+    """Every tensor of a dict or tuple output is hooked: a backward from any of them lands each leaf's
+    gradient in its slot by its end, with the plain model's values."""
+    plain, model = _DictOut(), _DictOut()
+    storage = register_flat_storage(model)
+    storage.unflatten()
+    torch_grad = vars(torch._C.TensorBase)["grad"]  # the slot itself, not FlatParameter.grad's read
+    x = torch.randn(4, 6)
+    for step in range(2):
+        for m in (plain, model):
+            m.zero_grad()
+            out = m(x)
+            (out[root] if root == "loss" else out[root].sum()).backward()
+        flat_grad = torch_grad.__get__(storage["0"])
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert _in_flat_grad(p, flat_grad) and torch.equal(p.grad, q.grad), step
