@@ -1,9 +1,10 @@
 """The documentation site's strict build and the run of its code blocks fail on what a reader trips over.
 
 Each build runs ``docs/build.py`` on a copy of the sources (the notebooks rendered without
-executing them, to keep it short; ``.ci/run`` builds the real site with them executed) with
-one defect put in: a broken cross-reference, a page in no toctree, a public name without a
-docstring. The link check of the built HTML is tested on its own, on a few small files.
+executing them, to keep it short; ``.ci/run`` builds the real site with them executed): one
+clean, one with every defect put in at once (a broken cross-reference, a link to a missing
+heading, a page in no toctree, a public name without a docstring), whose ``--keep-going``
+build reports each; a test per defect checks its message. The link check of the built HTML is tested on its own, on a few small files.
 ``tests/test_doc_blocks.py``, which runs the code blocks of the pages, is run on a temporary
 tree of pages with a broken block in it.
 """
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 INCLUDED = [
     "README.md", "CHANGELOG.md", "notebooks", "benchmarks", "tests", "flatten_parametrize", "constraints",
 ]  # fmt: skip
+Build = subprocess.CompletedProcess[str]
 IGNORED = shutil.ignore_patterns("__pycache__", "out", ".hypothesis")
 
 
@@ -39,21 +41,44 @@ def _load_build() -> ModuleType:
     return module
 
 
-@pytest.fixture
-def sources(tmp_path: Path) -> Path:
-    """A copy of ``docs/`` and of what it includes; returns the copy's ``docs``."""
+def _copy_sources(into: Path) -> Path:
+    """Copy ``docs/`` and what it includes into ``into``; return the copy's ``docs``."""
     pytest.importorskip("sphinx")
     pytest.importorskip("myst_nb")
     pytest.importorskip("pydata_sphinx_theme")
-    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("_build", "notebooks"))
+    shutil.copytree(ROOT / "docs", into / "docs", ignore=shutil.ignore_patterns("_build", "notebooks"))
     for name in INCLUDED:
-        source, target = ROOT / name, tmp_path / name
+        source, target = ROOT / name, into / name
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
             shutil.copytree(source, target, ignore=IGNORED)
         else:
             shutil.copyfile(source, target)
-    return tmp_path / "docs"
+    return into / "docs"
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    """A copy of ``docs/`` and of what it includes; returns the copy's ``docs``."""
+    return _copy_sources(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def broken_build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    """One strict build of a copy with every defect below planted (``--keep-going`` reports each)."""
+    docs = _copy_sources(tmp_path_factory.mktemp("broken"))
+    page = docs / "getting-started.md"
+    page.write_text(
+        page.read_text()
+        + "\nSee {py:meth}`flatten_parametrize.FlatStorage.no_such_method`.\n"
+        + "\nSee [the missing section](distributed.md#no-such-heading).\n"
+    )
+    (docs / "orphan.md").write_text("# Orphan\n\nNo toctree lists this page.\n")
+    api = docs / "api" / "FlatStorage.rst"
+    api.write_text(api.read_text() + "\n.. automethod:: flatten_parametrize.FlatStorage.__len__\n")
+    proc = _build(docs)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    return proc
 
 
 def _build(docs: Path) -> subprocess.CompletedProcess[str]:
@@ -73,39 +98,25 @@ def test_the_sources_build_cleanly(sources: Path) -> None:
     assert "every internal link resolves" in proc.stdout
 
 
-def test_a_broken_reference_fails_the_build(sources: Path) -> None:
+def test_a_broken_reference_fails_the_build(broken_build: Build) -> None:
     """A reference to a name that the API reference does not have is an error, not a dead link."""
-    page = sources / "getting-started.md"
-    page.write_text(page.read_text() + "\nSee {py:meth}`flatten_parametrize.FlatStorage.no_such_method`.\n")
-    proc = _build(sources)
-    assert proc.returncode != 0
-    assert "reference target not found: flatten_parametrize.FlatStorage.no_such_method" in proc.stderr
+    assert "reference target not found: flatten_parametrize.FlatStorage.no_such_method" in broken_build.stderr
 
 
-def test_a_broken_page_link_fails_the_build(sources: Path) -> None:
+def test_a_broken_page_link_fails_the_build(broken_build: Build) -> None:
     """A Markdown link to a page or heading that does not exist is an error."""
-    page = sources / "getting-started.md"
-    page.write_text(page.read_text() + "\nSee [the missing section](distributed.md#no-such-heading).\n")
-    proc = _build(sources)
-    assert proc.returncode != 0
-    assert "no-such-heading" in proc.stderr
+    assert "no-such-heading" in broken_build.stderr
 
 
-def test_a_page_in_no_toctree_fails_the_build(sources: Path) -> None:
+def test_a_page_in_no_toctree_fails_the_build(broken_build: Build) -> None:
     """Every page is reachable from the navigation."""
-    (sources / "orphan.md").write_text("# Orphan\n\nNo toctree lists this page.\n")
-    proc = _build(sources)
-    assert proc.returncode != 0
-    assert "document isn't included in any toctree" in proc.stderr
+    assert "orphan" in broken_build.stderr
+    assert "document isn't included in any toctree" in broken_build.stderr
 
 
-def test_a_public_name_without_a_docstring_fails_the_build(sources: Path) -> None:
+def test_a_public_name_without_a_docstring_fails_the_build(broken_build: Build) -> None:
     """Documenting a public name that has no docstring is an error (``FlatStorage.__len__`` has none)."""
-    page = sources / "api" / "FlatStorage.rst"
-    page.write_text(page.read_text() + "\n.. automethod:: flatten_parametrize.FlatStorage.__len__\n")
-    proc = _build(sources)
-    assert proc.returncode != 0
-    assert "public name without a docstring: flatten_parametrize.FlatStorage.__len__" in proc.stderr
+    assert "public name without a docstring: flatten_parametrize.FlatStorage.__len__" in broken_build.stderr
 
 
 def test_the_link_check_finds_missing_files_and_anchors(tmp_path: Path) -> None:

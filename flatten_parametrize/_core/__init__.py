@@ -3,9 +3,8 @@
 Nothing here imports another sub-package. ``records.Coordinator`` is the
 protocol the rest of the library sees of a storage's private core;
 ``features.Feature`` and ``grad.FlatGradHook`` are the seams features plug
-into; ``grad.GroupGrad`` is the one owner of each group's gradient (with
-``leaf_grads`` in per-tensor mode, ``split_node`` its autograd node and
-``engine`` torch's autograd-engine helpers); ``view_cache`` serves every
+into; ``grad/`` is the one owner of each group's gradient (``GroupGrad``, with
+per-tensor mode's leaves, its autograd node and torch's autograd-engine helpers); ``view_cache`` serves every
 flattened attribute; ``writes`` lands values written around the views;
 ``decay_check`` warns before the first step of an optimizer whose param
 groups cannot decay like the plain model's.

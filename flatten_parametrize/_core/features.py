@@ -74,7 +74,7 @@ checks their imports). The seams, all of them:
 * **Reduce dtype**: ``group.grads.reduce_dtype``, the dtype in
   which gradient sync and ``ShardedOptimizer`` reduce the group's gradient.
 * **The autograd path**, per group, on ``group.grads``
-  (``grad.GroupGrad``): ``add_hook(h)`` / ``remove_hook(h)`` with a
+  (``grad/owner.GroupGrad``): ``add_hook(h)`` / ``remove_hook(h)`` with a
   ``grad.FlatGradHook`` that sees each flat gradient while backward builds it
   (may have it divided, may return a converted one; ``releases_gradient``
   stops the buffer's memory reuse); and the sync claim (``claim_sync`` /

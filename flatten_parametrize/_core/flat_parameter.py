@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .compiling import never_traced
-from .grad import BASE_GRAD, GroupGrad, set_grad
+from .grad.owner import BASE_GRAD, GroupGrad, set_grad
 
 __all__ = ["FlatParameter", "allow_weights_only_loads", "serve"]
 
@@ -41,7 +41,7 @@ class _Served(Protocol):
 
     @property
     def grads(self) -> GroupGrad:
-        """The owner of the group's gradient (``_core/grad.py``)."""
+        """The owner of the group's gradient (``_core/grad/``)."""
 
 
 def serve(flat: torch.Tensor, views: _Served) -> None:
@@ -233,7 +233,7 @@ class FlatParameter(nn.Parameter):
 
         In per-tensor mode the members are leaf parameters that backward accumulates into: the
         group's gradient owner then hooks them, so that the flat parameter's hooks run as soon as
-        its last leaf of a backward got its gradient (``_core/leaf_grads.py``).
+        its last leaf of a backward got its gradient (``_core/grad/leaf_slots.py``).
 
         Args:
             hook: called with the flat parameter after its gradient of a backward is final.

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .flat_parameter import FlatParameter, serve
-from .grad import GroupGrad
+from .grad.owner import GroupGrad
 from .layout import GroupLayout
 from .transaction import Transaction
 from .view_cache import GroupViews
@@ -100,6 +100,9 @@ class Group:
         views: the hot-path view cache that serves the members' attributes.
         flat: the group's flat parameter.
         members: its slots, in layout order.
+        grads: the one owner of the group's gradient (flat gradient, views, memory, hooks and
+            sync claim), made with the group and handed to its view cache, whose split nodes
+            build the flat gradient in it.
     """
 
     index: int
@@ -109,14 +112,10 @@ class Group:
     views: GroupViews
     flat: FlatParameter
     members: tuple[Slot, ...]
+    grads: GroupGrad
 
     def __post_init__(self) -> None:
         serve(self.flat, self.views)  # its `.data` setter and `.grad` getter reach the view cache
-
-    @property
-    def grads(self) -> GroupGrad:
-        """The one owner of this group's gradient: flat gradient, views, memory, hooks and sync claim."""
-        return self.views.grads
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of a tensor shaped like the flat parameter."""

@@ -4,7 +4,7 @@ One :class:`GroupViews` per group makes every view of a group *at once* per
 pass (per thread, with grad mode on or off) and hands them out from a cache, so that
 backward costs O(total numel) per group instead of one full-size gradient per
 parameter. In grad mode the views are the outputs of one autograd node
-(``_GroupSplit`` in ``split_node.py``) whose backward concatenates their gradients
+(``_GroupSplit`` in ``grad/split_node.py``) whose backward concatenates their gradients
 into the flat gradient; without grad they come from one ``split`` of a
 detached alias, which records nothing. Either way every view aliases the
 buffer and shares its version counter, so views stay valid across in-place
@@ -36,13 +36,13 @@ from torch import Tensor, nn
 from torch.jit import _trace as _jit_trace
 
 from .compiling import in_compiled_module_call, never_compiled
-from .engine import graph_task_id
 from .flat_parameter import FlatParameter
 from .foreign import is_distributed
-from .grad import GroupGrad
+from .grad.engine import graph_task_id
+from .grad.owner import GroupGrad
+from .grad.split_node import _GroupSplit
 from .layout import GroupLayout
 from .names import registered_storage
-from .split_node import _GroupSplit
 
 __all__ = [
     "WRITE_SCANS",
@@ -325,7 +325,12 @@ class GroupViews:
     )
 
     def __init__(
-        self, params: dict[str, Any], flat_name: str, layout: GroupLayout, names: tuple[str, ...] = ()
+        self,
+        params: dict[str, Any],
+        flat_name: str,
+        layout: GroupLayout,
+        grads: GroupGrad,
+        names: tuple[str, ...] = (),
     ) -> None:
         self.params = params
         self.flat_name = flat_name
@@ -338,7 +343,8 @@ class GroupViews:
         #: Every thread's live cache entries, for :meth:`sync`.
         self._entries: weakref.WeakSet[CacheEntry] = weakref.WeakSet()
         self._traced: tuple[Tensor, tuple[Tensor, ...]] | None = None
-        self._grads = GroupGrad(layout)
+        #: The group's gradient owner (``Group.grads``), handed to each split node it makes.
+        self._grads = grads
         self.source: ViewSource | None = None
         self.cast: torch.dtype | None = None
         #: How many forwards of the registered module are running (its forward hooks count them):
@@ -353,7 +359,7 @@ class GroupViews:
 
     @property
     def grads(self) -> GroupGrad:
-        """Return the one owner of the group's gradient (shared by all its split nodes)."""
+        """Return the group's gradient owner (``Group.grads``), given at construction."""
         return self._grads
 
     def invalidate(self) -> None:
@@ -672,7 +678,7 @@ class GroupViews:
         new._entries = weakref.WeakSet()
         new._traced = None
         new._masters = None
-        new._grads = GroupGrad(self.layout)
+        new._grads = copy.deepcopy(self._grads, memo)  # the copied group's own (``Group.grads``)
         new.source = None  # a feature's copy (``Feature.copy_for``) sets its own
         new.cast = None
         new.check_next_forward = False

@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from .._core.engine import current_node, graph_task_id, queue_callback, will_execute
 from .._core.features import Coordinator, Feature, Record, in_flat_mode, storage_of
-from .._core.grad import claim_sync
+from .._core.grad.engine import current_node, graph_task_id, queue_callback, will_execute
+from .._core.grad.owner import claim_sync
 from .outside_params import OutsideParams, outside_params, reduce_once
 from .outside_params import broadcast as broadcast_outside
 from .outside_params import reduce as reduce_outside

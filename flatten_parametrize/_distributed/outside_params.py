@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 from .._core.leaves import EPOCH
 from .._core.unheld import GENERATION, watch_registrations
 from .._core.unheld import unheld as outside_params

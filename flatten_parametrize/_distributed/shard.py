@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 
 __all__ = ["Piece", "Shard", "copy_value", "elementwise"]
 

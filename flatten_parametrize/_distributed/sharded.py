@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._core.grad import check_sync, claim_sync
+from .._core.grad.owner import check_sync, claim_sync
 from .._core.names import core_behind
 from . import sharded_state as _sharded_state
 from .outside_params import broadcast as broadcast_outside

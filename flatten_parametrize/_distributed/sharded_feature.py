@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from .._core.features import Feature
 
 if TYPE_CHECKING:
-    from .._core.grad import GroupGrad
+    from .._core.grad.owner import GroupGrad
     from .._core.records import Coordinator, Group
     from .outside_params import OutsideParams
 

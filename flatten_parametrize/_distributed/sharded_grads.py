@@ -11,7 +11,7 @@ With ``shard_gradients=True`` each rank keeps its averaged part of each flat
 gradient only; the full flat gradient is released during backward. So that
 code written for the plain model finds a gradient where the plain model has
 one, each sliced group's gradient owner lends a :class:`ShardedGrad` out
-(``_core/grad.GroupGrad.lend``): it is the flat parameter's ``.grad`` and, in
+(``_core/grad/owner.GroupGrad.lend``): it is the flat parameter's ``.grad`` and, in
 per-tensor mode, each leaf's, a tensor of the parameter's shape that holds no
 values of its own and takes to the shards what can be done to a gradient that
 lives in parts:
@@ -100,7 +100,7 @@ def _placeholder(
 
 
 class _Loan:
-    """One group's averaged gradient, lent to its gradient owner (``_core/grad.Lent``).
+    """One group's averaged gradient, lent to its gradient owner (``_core/grad/owner.Lent``).
 
     An entry is the whole flat gradient (``None``) or one member's gradient (its
     index in the layout); :meth:`parts` are this rank's elements of an entry, views

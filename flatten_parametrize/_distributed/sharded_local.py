@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 from .sharded_args import hyperparameters
 from .sharded_collectives import Collectives
 

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from .._core.engine import current_node, graph_task_id, queue_callback
+from .._core.grad.engine import current_node, graph_task_id, queue_callback
 from .outside_params import OutsideParams, reduce_once
 from .shard import Shard
 from .sharded_feature import live_core
 from .sharded_grads import ShownGrads
 
 if TYPE_CHECKING:
-    from .._core.grad import GroupGrad
+    from .._core.grad.owner import GroupGrad
     from .._core.records import Coordinator
     from .sharded_collectives import Collectives
     from .sharded_grads import TakenGrads

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 
 __all__ = [
     "ALLOWED_OPTIMIZERS",

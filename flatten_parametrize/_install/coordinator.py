@@ -31,6 +31,7 @@ from .._core.foreign import (
     is_fsdp2_compute_param,
     is_stale_batched,
 )
+from .._core.grad.owner import GroupGrad
 from .._core.layout import GroupLayout
 from .._core.names import (
     MODULE_STATE_ATTR,
@@ -101,12 +102,14 @@ class StorageCore:
         for index, (name, flat, layout) in enumerate(zip(group_names, flats, layouts)):
             flat_name = flat_param_name(name)
             members = tuple(slot for slot in self._slots if slot.group_index == index)
-            if views is None:
+            if views is None:  # a new storage: each group owns a new gradient, its views build into it
+                grads = GroupGrad(layout)
                 names = tuple(slot.name for slot in members)
-                group_views = GroupViews(module._parameters, flat_name, layout, names)
-            else:
+                group_views = GroupViews(module._parameters, flat_name, layout, grads, names)
+            else:  # a copy's groups: the views were copied with the gradient owner they build into
                 group_views = views[index]
-            groups.append(Group(index, name, flat_name, layout, group_views, flat, members))
+                grads = group_views.grads
+            groups.append(Group(index, name, flat_name, layout, group_views, flat, members, grads))
         self._groups = tuple(groups)
         self._flattened = flattened
         #: Depth of nested ``using()`` blocks.

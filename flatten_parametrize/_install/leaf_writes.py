@@ -55,7 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from .._core.compiling import never_traced
 from .._core.features import layout_holders, refuse_held_layout
 from .._core.fit import misfit
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 from .._core.leaves import EPOCH
 from .._core.names import dtype_name, registered_storage
 from .._core.records import Coordinator

@@ -17,7 +17,7 @@ from torch import nn
 
 from .._core.caller import caller_level
 from .._core.flat_parameter import FlatParameter, as_flat_parameter
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 from .._core.layout import plan_group
 from .._core.leaves import mode_changed, register_leaves
 from .._core.records import Slot

@@ -3,9 +3,9 @@
 In unflattened mode every flattened attribute is a real leaf ``nn.Parameter``
 aliasing its slot of the flat buffer (see ``surgery.unflatten_module``). On
 the switch, :class:`PerTensorMode` records the leaves as the storage's
-(``_core/leaves.py``), puts each group's gradient owner (``_core/grad.py``'s
+(``_core/leaves.py``), puts each group's gradient owner (``_core/grad/``'s
 ``GroupGrad``) in per-tensor mode, in which the leaves' gradients live in the
-flat gradient (``_core/leaf_grads.py`` says how), starts watching the modules
+flat gradient (``_core/grad/leaf_slots.py`` says how), starts watching the modules
 for outside writes (``leaf_writes.LeafWatch``) and tells the features that have
 a per-tensor part (mixed precision's compute copies). On the way back it
 undoes all of it.
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .._core.compiling import compiling_or_tracing, never_compiled
-from .._core.engine import graph_task_id, hook_gradient
+from .._core.grad.engine import graph_task_id, hook_gradient
 from .._core.leaves import mode_changed, register_leaves
 from .._core.names import registered_storage
 from .._core.records import Coordinator

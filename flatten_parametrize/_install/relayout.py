@@ -47,7 +47,7 @@ from .._core.caller import caller_level
 from .._core.features import refuse_held_layout
 from .._core.fit import misfit
 from .._core.flat_parameter import FlatParameter
-from .._core.grad import set_grad
+from .._core.grad.owner import set_grad
 from .._core.names import MODULE_STATE_ATTR, base_of, registered_storage
 from .._core.records import ModuleState, Slot
 from .._core.transaction import Transaction, atomically

@@ -9,9 +9,10 @@
 - no mixins, and no module but the coordinator's own reads its private attributes;
 - only ``__init__.py`` files act when imported: no other module registers, installs or patches anything;
 - the public surface of ``FlatStorage`` and ``ShardedOptimizer`` is exactly the product contract's;
-- a group's gradient has one owner (``_core/grad.py``): a tensor's ``.grad`` slot is written in at most
-  two modules, torch's autograd-engine internals are named in one, and reading a flat parameter's
-  ``.grad`` looks no group up.
+- a group's gradient has one owner (``_core/grad/``, one room, made with the group): a tensor's
+  ``.grad`` slot is written in at most two modules, torch's autograd-engine internals are named in
+  one, and reading a flat parameter's ``.grad`` looks no group up;
+- one meaning per name: no two modules share a file name.
 
 The checkers run on synthetic packages too (``test_the_checker_reports_every_kind_of_violation``,
 ``test_the_import_time_checker_reports_every_kind_of_action``), so these tests cannot pass by checking
@@ -23,6 +24,7 @@ the same injected classes and keeps its guarantees
 from __future__ import annotations
 
 import ast
+import copy
 import importlib
 import json
 import os
@@ -38,7 +40,7 @@ import torch
 from torch import nn
 
 import flatten_parametrize
-from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
 from flatten_parametrize._core.features import Feature
 
 from _helpers import core_of
@@ -682,16 +684,54 @@ def test_each_concern_of_the_sharded_optimizer_has_one_owner():
 
 
 def test_a_tensors_grad_slot_is_written_in_at_most_two_modules():
-    """Only the gradient owner (``_core/grad.py``) and per-tensor mode's ``_core/leaf_grads.py`` write it."""
+    """Only the gradient owner (``_core/grad/owner.py``) and per-tensor mode's ``leaf_slots.py`` write it."""
     writers = grad_writers(MODULES)
-    assert len(writers) <= 2 and set(writers) <= {"_core.grad", "_core.leaf_grads"}, writers
+    assert len(writers) <= 2 and set(writers) <= {"_core.grad.owner", "_core.grad.leaf_slots"}, writers
+
+
+def test_the_gradient_owner_is_one_room():
+    """``_core/grad/`` holds the owner, per-tensor mode's leaves, the split node and the engine helpers.
+
+    Per-tensor mode's leaves are reached through their owner: no module outside the room imports them.
+    """
+    room = sorted(name for name in MODULES if name.startswith("_core.grad."))
+    assert room == ["_core.grad.engine", "_core.grad.leaf_slots", "_core.grad.owner", "_core.grad.split_node"]
+    outside = sorted(
+        f"{found.importer} -> {found.target}"
+        for found in IMPORTS
+        if found.target == "_core.grad.leaf_slots" and not found.importer.startswith("_core.grad")
+    )
+    assert outside == [], outside
+
+
+def test_each_group_owns_its_gradient():
+    """The coordinator makes each group's ``GroupGrad`` and hands it to the group's view cache.
+
+    The view cache builds every flat gradient in the group's owner and never makes one; a deep copy's
+    group owns a new one (its views and its record share it).
+    """
+    assert "GroupGrad(" not in (PACKAGE / "_core" / "view_cache.py").read_text()
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    storage = register_flat_storage(model)
+    clone = copy.deepcopy(model)
+    groups = [core_of(storage).groups()[0], core_of(get_flat_storage(clone)).groups()[0]]
+    assert all(g.grads is g.views.grads for g in groups)
+    assert groups[0].grads is not groups[1].grads
+
+
+def test_no_two_modules_share_a_name():
+    """One meaning per name: each module's file name is the package's only one (``__init__`` aside)."""
+    stems: dict[str, list[str]] = {}
+    for name in MODULES:
+        stems.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    assert {stem: found for stem, found in stems.items() if len(found) > 1} == {}
 
 
 def test_torchs_autograd_engine_internals_are_named_in_one_module():
-    """``queue_callback``, the graph task id & co. are reached through ``_core/engine.py`` only."""
+    """``queue_callback``, the graph task id & co. are reached through ``_core/grad/engine.py`` only."""
     users = engine_users(MODULES)
     assert set(users) >= {"_current_graph_task_id", "_execution_engine", "queue_callback"}, users
-    assert {module for found in users.values() for module in found} == {"_core.engine"}, users
+    assert {module for found in users.values() for module in found} == {"_core.grad.engine"}, users
 
 
 @pytest.mark.parametrize("per_tensor", [False, True])

@@ -68,7 +68,7 @@ from ..._core.names import registered_storage
 from ..._core.records import Group
 from ..._core.transaction import Transaction, atomically
 from ..._core.view_cache import WRITE_SCANS
-from .leaves import LeafCompute
+from .compute_views import LeafCompute
 from .master_leaf import DIRTY, WATCHED
 
 if TYPE_CHECKING:
@@ -466,7 +466,7 @@ class MixedPrecision(Feature):
         return self._leaves is not None
 
     def per_tensor_began(self, tx: Transaction) -> None:
-        """Per-tensor mode began: forwards compute with the compute copies (``leaves.py``)."""
+        """Per-tensor mode began: forwards compute with the compute copies (``compute_views.py``)."""
         if self._leaves is not None:
             self._leaves.begin(self._storage, tx)
 

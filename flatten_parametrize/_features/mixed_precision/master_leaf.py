@@ -2,7 +2,7 @@
 
 Under a mixed-precision policy, per-tensor mode's leaves are the float32
 masters and each forward computes with a low-precision compute copy cast from
-them (``leaves.py``). In-place updates move a leaf's
+them (``compute_views.py``). In-place updates move a leaf's
 ``_version``, so the copy is cast again after them; a write through ``.data``
 (EMA libraries, hand-written steps, init helpers: ``p.data.mul_(0.5)``) moves
 no version counter. While per-tensor mode lasts, such a leaf's class is a

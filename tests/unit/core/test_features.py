@@ -12,7 +12,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 from flatten_parametrize._core.features import Feature, layout_holders, refuse_held_layout
-from flatten_parametrize._core.grad import PRESCALE_MIN_SEGMENT_BYTES, GroupGrad, check_sync, claim_sync
+from flatten_parametrize._core.grad.owner import PRESCALE_MIN_SEGMENT_BYTES, GroupGrad, check_sync, claim_sync
 
 from _helpers import core_of, mlp
 

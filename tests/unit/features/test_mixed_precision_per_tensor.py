@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
-from flatten_parametrize._core.leaf_grads import LeafGrads
+from flatten_parametrize._core.grad.leaf_slots import LeafGrads
 
 from _helpers import cast_per_forward, twin
 

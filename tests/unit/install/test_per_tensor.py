@@ -1,4 +1,4 @@
-"""Per-tensor mode (``_core/leaf_grads.py``): unflattened leaves keep their gradients in the flat gradient.
+"""Per-tensor mode (``_core/grad/leaf_slots.py``): unflattened leaves keep their gradients in the flat one.
 
 Each case trains a flattened model inside a persistent ``storage.unflatten()``
 against a plain twin from the same seed.
@@ -351,7 +351,7 @@ def test_a_backward_lands_the_gradients_with_one_call_per_group_and_no_hook_on_t
     """Nothing hooks the flat parameter: no library hook on any leaf; the forward's output arms each group
     once per backward, and after zero_grad() autograd adds every gradient into its slot (the same tensors
     every step), with the plain model's values."""
-    from flatten_parametrize._core.leaf_grads import LeafGrads
+    from flatten_parametrize._core.grad.leaf_slots import LeafGrads
 
     plain, flat, storage = _pair()
     assert all(not p._post_accumulate_grad_hooks for p in flat.parameters())

@@ -3,7 +3,7 @@
 :class:`_GroupSplit` makes every view of a group (``view_cache.GroupViews``)
 the output of one autograd node; its backward builds the group's flat
 gradient in one go, in memory that the group's gradient owner
-(:class:`~.grad.GroupGrad`) lends it, and hands it to the owner's
+(:class:`~.owner.GroupGrad`) lends it, and hands it to the owner's
 :class:`~.grad.FlatGradHook` objects as it is built.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .grad import PRESCALE_MIN_SEGMENT_BYTES, FlatGradHook, GroupGrad
-from .layout import GroupLayout
+from ..layout import GroupLayout
+from .owner import PRESCALE_MIN_SEGMENT_BYTES, FlatGradHook, GroupGrad
 
 __all__: list[str] = []
 

@@ -1,6 +1,6 @@
 """torch's autograd-engine helpers, named once for the whole library.
 
-The gradient owner (``grad.py``, ``leaf_grads.py``), the view cache, gradient
+The gradient owner (``owner.py``, ``leaf_slots.py``), the view cache, gradient
 sync and ``ShardedOptimizer`` need a few private entry points of torch's
 autograd engine: the id of the backward in progress, a callback at its end,
 the node it runs, whether it will run a node, the post-accumulate-grad
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "process_group_exists",
     "current_node",
     "graph_task_id",
     "has_post_accumulate_grad_hooks",
@@ -70,3 +71,8 @@ def hook_gradient(tensor: Tensor, node: Any, key: object, hook: Callable[[Tensor
         tensor._backward_hooks = hooks
         node._register_hook_dict(tensor)
     hooks[key] = hook
+
+
+def process_group_exists() -> bool:
+    """Return whether a default process group exists (DDP may hook and reduce the leaves during backward)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

@@ -8,7 +8,7 @@ layout and holds, in one object:
   :meth:`GroupGrad.release`) and each member's view of it
   (:meth:`GroupGrad.views`), in flat mode (torch's ``.grad`` slot of the
   flat parameter) and in per-tensor mode, where the members are leaf
-  parameters whose gradients live in the flat gradient (``leaf_grads.py``);
+  parameters whose gradients live in the flat gradient (``leaf_slots.py``);
 * the switches between the two (:meth:`GroupGrad.enter_leaves`,
   :meth:`GroupGrad.exit_leaves`) and the gradients the module surgery hands
   to and takes from the original parameters (:meth:`GroupGrad.gather`,
@@ -24,7 +24,7 @@ layout and holds, in one object:
   between ranks, and the sync claim: who reduces the gradient across ranks
   (:func:`claim_sync`).
 
-This module and ``leaf_grads.py`` are the only ones that write a tensor's
+This module and ``leaf_slots.py`` are the only ones that write a tensor's
 ``.grad`` slot; the rest of the library goes through a group's
 :class:`GroupGrad`, or :func:`set_grad` for a tensor no group owns.
 """
@@ -40,9 +40,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .layout import GroupLayout
-from .leaf_grads import BASE_GRAD, LeafGrads
-from .transaction import Transaction
+from ..layout import GroupLayout
+from ..transaction import Transaction
+from .leaf_slots import BASE_GRAD, LeafGrads
 
 __all__ = [
     "BASE_GRAD",
@@ -157,7 +157,7 @@ class GroupGrad:
     In flat mode the flat gradient is torch's ``.grad`` slot of the flat
     parameter; in per-tensor mode (between :meth:`enter_leaves` and
     :meth:`exit_leaves`) the members are leaf parameters whose gradients are
-    views of it, and :class:`~.leaf_grads.LeafGrads` keeps the two in step.
+    views of it, and :class:`~.leaf_slots.LeafGrads` keeps the two in step.
 
     Each backward builds the group's flat gradient as a new tensor; on CPU a
     fresh multi-megabyte allocation is served by new pages that the kernel
@@ -292,6 +292,32 @@ class GroupGrad:
             grad = grad.contiguous()
             self.assign(flat, grad)
         return grad
+
+    def receive_cast(
+        self,
+        indices: Sequence[int],
+        leaves: Sequence[Tensor | None],
+        grads: Sequence[Tensor | None],
+        dtypes: Sequence[torch.dtype],
+    ) -> list[Tensor | None]:
+        """Return the gradients of a cast node's leaves in their dtypes, in their slots where they can be.
+
+        The seam of per-tensor mixed precision (``_features/mixed_precision/compute_views.py``): its
+        node's backward hands over the compute views' gradients. In per-tensor mode, with every
+        leaf alive, each lands in its slot of the flat gradient where it can
+        (:meth:`~.leaf_slots.LeafGrads.receive`); otherwise each is converted on its own.
+
+        Args:
+            indices: the members' indices in the layout.
+            leaves: their leaves (``None``: one that is gone).
+            grads: their gradients (``None``: none).
+            dtypes: the dtype of each leaf.
+        """
+        landing = self.leaves
+        alive = [leaf for leaf in leaves if leaf is not None]
+        if landing is None or len(alive) != len(leaves):
+            return [None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes)]
+        return landing.receive(indices, alive, grads)
 
     def split(self, tensor: Tensor) -> list[Tensor]:
         """Return a view of each member, in layout order, of ``tensor`` (shaped like the flat parameter)."""

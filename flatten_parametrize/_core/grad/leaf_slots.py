@@ -8,7 +8,7 @@ the plain model. Their gradients live in the group's flat gradient
 parameter's gradient in its bucket, so whole-buffer features (grad sync, a
 flat clip, ``named_grads()``, ``views_of()``, checkpoints) keep working in this
 mode, on the same memory. :class:`LeafGrads` does it for one group, for its
-gradient owner (``grad.GroupGrad``):
+gradient owner (``owner.GroupGrad``):
 
 * once a leaf's ``.grad`` is its slot's view of the flat gradient (after the
   first backward, and after ``zero_grad(set_to_none=False)``), autograd
@@ -77,12 +77,13 @@ from torch.utils.hooks import RemovableHandle
 from .engine import (
     graph_task_id,
     has_post_accumulate_grad_hooks,
+    process_group_exists,
     queue_callback,
     run_post_accumulate_grad_hooks,
     will_execute,
 )
 
-__all__ = ["BASE_GRAD", "LeafGrads", "process_group_exists"]
+__all__ = ["BASE_GRAD", "LeafGrads"]
 
 #: torch's own ``Tensor.grad`` descriptor (``FlatParameter.grad`` extends it).
 BASE_GRAD: Any = vars(torch._C.TensorBase)["grad"]
@@ -388,7 +389,7 @@ class LeafGrads:
     ) -> list[Tensor | None]:
         """Return the members' gradients in the master dtype; each in its slot where the slot is free.
 
-        The backward of per-tensor mixed precision (``_features/mixed_precision/leaves.py``): the
+        The backward of per-tensor mixed precision (``_features/mixed_precision/compute_views.py``): the
         compute views' gradients (``param_dtype``) become the leaves' (the flat gradient's dtype).
         A leaf whose ``.grad`` is ``None``, whose accumulation this backward will run and whose slot
         no backward has filled yet gets its gradient converted straight into its slot of the flat
@@ -661,11 +662,6 @@ class _Claims(set):  # type: ignore[type-arg]  # a set that a weak reference can
 def _hooked(leaf: Tensor) -> bool:
     """Return whether user code hooks ``leaf``'s gradient (``register_hook``, a post-accumulate hook)."""
     return bool(leaf._backward_hooks) or has_post_accumulate_grad_hooks(leaf)
-
-
-def process_group_exists() -> bool:
-    """Return whether a default process group exists (DDP may hook and reduce the leaves during backward)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _converted(grads: list[Tensor], dtype: torch.dtype | None) -> list[Tensor]:

@@ -20,7 +20,7 @@ and puts the leaf back after it (also when the forward raised):
 * The compute views are the outputs of autograd nodes (:class:`_LeafCast`)
   whose inputs are the leaves: backward converts each gradient to the master
   dtype and autograd accumulates it into the leaf, whose ``.grad`` is its slot
-  of the master-dtype flat gradient (``_core/leaf_grads.py``). So DDP's
+  of the master-dtype flat gradient (``_core/grad/leaf_slots.py``). So DDP's
   reducer, comm hooks and per-parameter hooks see the leaves' gradients as on
   the plain model. Where a process group exists there is a node per owning
   module, so that a module's gradients land (and DDP reduces them) as soon as
@@ -54,8 +54,8 @@ import torch
 from torch import Tensor, nn
 
 from ..._core.compiling import compiling_or_tracing
-from ..._core.grad import GroupGrad
-from ..._core.leaf_grads import process_group_exists
+from ..._core.grad.engine import process_group_exists
+from ..._core.grad.owner import GroupGrad
 from ..._core.records import Coordinator, Group
 from ..._core.transaction import Transaction
 from .master_leaf import DIRTY, WATCHED, base_class, master_class
@@ -96,12 +96,8 @@ class _LeafCast(torch.autograd.Function):  # the name shows in graphs: _LeafCast
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         # Each gradient in the master dtype, straight into its slot of the flat gradient where it can.
-        landing = ctx.grads.leaves
-        leaves = [ref() for ref in ctx.leaves]
-        if landing is None or any(leaf is None for leaf in leaves):
-            converted = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        else:
-            converted = landing.receive(ctx.indices, leaves, grads)
+        owner: GroupGrad = ctx.grads
+        converted = owner.receive_cast(ctx.indices, [ref() for ref in ctx.leaves], grads, ctx.dtypes)
         return (None, None, None, *converted)
 
 
