@@ -20,6 +20,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import settings
+
+# Property tests check results, not speed (benchmarks/ does): no per-example deadline, which a
+# loaded 2-core CI machine would miss on the first, import-heavy examples.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,8 @@ Each build runs ``docs/build.py`` on a copy of the sources (the notebooks render
 executing them, to keep it short; ``.ci/run`` builds the real site with them executed): one
 clean, one with every defect put in at once (a broken cross-reference, a link to a missing
 heading, a page in no toctree, a public name without a docstring), whose ``--keep-going``
-build reports each; a test per defect checks its message. The link check of the built HTML is tested on its own, on a few small files.
+build reports each; a test per defect checks its message. The link check of the built HTML
+is tested on its own, on a few small files.
 ``tests/test_doc_blocks.py``, which runs the code blocks of the pages, is run on a temporary
 tree of pages with a broken block in it.
 """
