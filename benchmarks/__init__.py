@@ -2,5 +2,6 @@
 
 Run ``python -m benchmarks`` (or ``python benchmarks/run.py``); ``--quick`` is a
 smoke run, ``--only <workload>`` picks workloads, ``--help`` lists them.
-Results of a full run are recorded in ``benchmarks/RESULTS.md``.
+The current figures of each workload are in ``benchmarks/RESULTS.md``; earlier runs in
+``benchmarks/HISTORY.md``.
 """

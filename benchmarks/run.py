@@ -2,8 +2,9 @@
 
 Runs the workloads (all, or those named with ``--only``), prints one Markdown
 table per measurement and a summary of the issue's targets, and writes the
-same text to ``<out>/results.md`` (``--save-results`` also writes
-``benchmarks/RESULTS.md``). ``--quick`` is the smoke run the test suite
+same text to ``<out>/results.md`` (``--save-results`` also writes each workload's
+section of ``benchmarks/RESULTS.md``, with the run's command, machine and date, and keeps the sections of
+the workloads it did not run). ``--quick`` is the smoke run the test suite
 executes: tiny sizes, meaningless numbers, every code path.
 """
 
@@ -16,6 +17,7 @@ import importlib
 import io
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -53,13 +55,15 @@ SCRIPTS = ("ddp", "zero")
 SEPARATE = ("mixed_precision",)
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_PREFACE = """
-Written by `python -m benchmarks --save-results` (see `python -m benchmarks --help`). Every
-workload alternates its contenders in one process after a warm-up (forward order, then reverse)
-and reports the median over the timed rounds, the spread (half the interquartile range relative
-to the median) and the ratio to the plain model; only ratios within one table are comparable,
-since machine load drifts between tables. Registration runs in fresh subprocesses; the eval
-workload gives each contender its own process and the data-parallel workload its own pair of
-processes (a shared C heap changes page faults).
+The current figures of each workload of `python -m benchmarks` (see `python -m benchmarks --help`): one
+section per workload, its latest recorded run, each with the command, the machine and the date of that run.
+`python -m benchmarks --save-results` writes the sections of the workloads it ran and keeps the others. Every
+workload alternates its contenders in one process after a warm-up (forward order, then reverse) and reports
+the median over the timed rounds, the spread (half the interquartile range relative to the median) and the
+ratio to the plain model; only ratios within one table are comparable, since machine load drifts between
+tables. Registration runs in fresh subprocesses; the eval workload gives each contender its own process and
+the data-parallel workloads their own pair of processes (a shared C heap changes page faults). Earlier runs
+are kept in `benchmarks/HISTORY.md`.
 """
 
 
@@ -84,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
         "--save-plot", action="store_true", help="also write the README plot benchmarks/depth_sweep.png"
     )
     parser.add_argument(
-        "--save-results", action="store_true", help="also write benchmarks/RESULTS.md from this run"
+        "--save-results",
+        action="store_true",
+        help="also write the run's sections of benchmarks/RESULTS.md (one per workload run)",
     )
     return parser
 
@@ -178,6 +184,25 @@ def _checks_table(checks: Sequence[Check], quick: bool) -> str:
     return table.render()
 
 
+def results_file(old: str, ran: dict[str, str], run_header: str) -> str:
+    """Return ``RESULTS.md`` with the sections of the workloads in ``ran`` replaced by this run's.
+
+    One ``## <workload>: <description>`` section per workload, in ``WORKLOADS`` order: a workload this run
+    ran gets the run's header (command, date, machine, ...) and its tables; any other keeps its section of
+    ``old``.
+    """
+    kept: dict[str, str] = {}
+    for chunk in re.split(r"^(?=## )", old, flags=re.MULTILINE)[1:]:
+        name = chunk[3:].split(":", 1)[0].strip()
+        if name in WORKLOADS:
+            kept[name] = chunk.strip()
+    for name, text in ran.items():
+        kept[name] = f"## {name}: {WORKLOADS[name][1]}\n\n{run_header}\n\n{text.strip()}"
+    parts = ["# flatten_parametrize benchmarks\n" + RESULTS_PREFACE.rstrip()]
+    parts += [kept[name] for name in WORKLOADS if name in kept]
+    return "\n\n".join(parts) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmarks; return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -201,7 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_threads(threads)
     torch.set_flush_denormal(True)
     names, notes = _selected(args.only, args.quick)
-    sections = ["# flatten_parametrize benchmarks", "", header(threads, args.quick, argv)]
+    run_header = header(threads, args.quick, argv)
+    sections = ["# flatten_parametrize benchmarks", "", run_header]
+    saved: dict[str, str] = {}
     print("\n".join(sections), flush=True)
     checks: list[Check] = []
     failed: list[str] = []
@@ -210,12 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         title = f"\n## {name}: {WORKLOADS[name][1]}\n"
         print(title, flush=True)
         sections.append(title)
+        report_checks: list[Check] = []
         try:
             if name in SCRIPTS:
                 text = _run_script(name, args.quick)
             else:
                 report = importlib.import_module(WORKLOADS[name][0]).run(settings)
                 checks += report.checks
+                report_checks = list(report.checks)
                 text = "\n\n".join(t.render() for t in report.tables)
         except Exception:  # report it, run the other workloads, exit non-zero
             failed.append(name)
@@ -223,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += f"\n\n({name}: {time.perf_counter() - start:.1f} s)"
         print(text, flush=True)
         sections.append(text)
+        if report_checks:
+            text += "\n\n" + _checks_table(report_checks, args.quick)
+        saved[name] = text
     tail = [*notes, "", _checks_table(checks, args.quick)] if checks else notes
     if failed:
         tail += ["", f"FAILED workloads: {', '.join(failed)}"]
@@ -232,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     if args.save_results:
-        (BENCH_DIR / "RESULTS.md").write_text(text.replace("\n", "\n" + RESULTS_PREFACE, 1))
+        path = BENCH_DIR / "RESULTS.md"
+        path.write_text(results_file(path.read_text() if path.exists() else "", saved, run_header))
     return 1 if failed else 0
 
 
