@@ -15,23 +15,20 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
-import socket
 import time
-import traceback
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
 from flatten_parametrize._core.names import core_behind
+
+from _gloo_pool import run_ranks
 
 # --------------------------------------------------------------------------- models
 
@@ -491,31 +488,6 @@ class RankFailed(AssertionError):
     """A spawned rank raised, crashed or was killed."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(
-    worker: Callable[[int, int, Path], None], rank: int, world: int, port: int, outdir: str, timeout_s: float
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    try:
-        worker(rank, world, Path(outdir))
-    except BaseException:
-        (Path(outdir) / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    dist.destroy_process_group()
-
-
 def spawn_gloo(
     worker: Callable[[int, int, Path], None],
     outdir: Path,
@@ -524,47 +496,27 @@ def spawn_gloo(
     deadline_s: float = 150.0,
     grace_s: float = 20.0,
     collective_timeout_s: float = 60.0,
+    fresh: bool = False,
 ) -> None:
-    """Run ``worker(rank, world, outdir)`` in ``world`` spawned gloo processes on 127.0.0.1.
+    """Run ``worker(rank, world, outdir)`` on ``world`` gloo ranks on 127.0.0.1.
 
-    ``worker`` must be a module-level function (it is pickled). As soon as one
-    rank fails, the others get ``grace_s`` seconds to finish (a worker that
-    expects the failure records what it saw); after that, or after
-    ``deadline_s`` in all, every leftover process is killed and
-    :class:`RankFailed` reports each failure (a rank's traceback is in
-    ``outdir/rank<r>.err``). A rank stuck in a collective fails after
-    ``collective_timeout_s``.
+    The ranks are the session's warm processes of that world size (``_gloo_pool.py``), or new ones
+    with ``fresh=True``. ``worker`` must be a module-level function (it is pickled). As soon as one
+    rank fails, the others get ``grace_s`` seconds to finish (a worker that expects the failure
+    records what it saw); after that, or after ``deadline_s`` in all, every rank still running is
+    killed and :class:`RankFailed` reports each failure (a rank's traceback is in
+    ``outdir/rank<r>.err``). A rank stuck in a collective fails after ``collective_timeout_s``.
     """
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_entry, args=(worker, rank, world, port, str(outdir), collective_timeout_s), daemon=True
-        )
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    start, failed_at = time.monotonic(), None
-    try:
-        while any(proc.is_alive() for proc in procs):
-            now = time.monotonic()
-            if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
-                failed_at = now
-            if now - start > deadline_s or (failed_at is not None and now - failed_at > grace_s):
-                break
-            time.sleep(0.05)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
+    launch = run_ranks(
+        worker, outdir, world=world, deadline_s=deadline_s, grace_s=grace_s,
+        collective_timeout_s=collective_timeout_s, fresh=fresh,
+    )  # fmt: skip
     errors = []
-    for rank, proc in enumerate(procs):
+    for rank, end in enumerate(launch.ends):
         if (outdir / f"rank{rank}.err").exists():
             errors.append(f"rank {rank} raised:\n{(outdir / f'rank{rank}.err').read_text()}")
-        elif proc.exitcode != 0:
-            errors.append(f"rank {rank} ended with exit code {proc.exitcode} (killed if negative)")
+        elif end != "ok":
+            errors.append(f"rank {rank} {end}")
     if errors:
         raise RankFailed("\n".join(errors))
 

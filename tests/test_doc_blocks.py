@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from _helpers import _free_port
+from _gloo_pool import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The pages whose blocks run: the README and every Markdown page of the documentation site.
@@ -140,7 +140,7 @@ def _run_on_processes(block: Block, processes: int, workdir: Path) -> None:
     script.write_text(block.source(), encoding="utf-8")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), script.name,
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script.name,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)

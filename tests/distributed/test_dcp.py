@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 
+from _gloo_pool import free_port
 from _helpers import mlp
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -35,18 +36,10 @@ ROOT = TESTS.parent
 TOL = 1e-6
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(outdir: Path, world: int, mode: str) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(TESTS / "_dcp_checkpoints.py"), str(outdir), mode,
     ]  # fmt: skip
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -27,6 +26,7 @@ from torch import nn
 
 from flatten_parametrize import get_flat_storage, register_flat_storage, weight_decay_groups
 
+from _gloo_pool import free_port
 from _helpers import assert_unchanged, mlp, save_result, snapshot, spawn_gloo, values
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the launched scripts live there
@@ -280,18 +280,12 @@ def test_fsdp_rekey_optim_state_dict_names_a_parameter_the_flattened_model_lacks
         FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, flat)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model_parallel(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     outdir = tmp_path_factory.mktemp("model_parallel")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(TESTS / "_model_parallel.py"), str(outdir),
     ]  # fmt: skip
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -436,7 +430,8 @@ def _deepspeed_worker(rank: int, world: int, outdir: Path) -> None:
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     outdir = tmp_path_factory.mktemp("deepspeed")
     # The first run on a machine builds DeepSpeed's CPU ops (shared-memory comm, Adam) just in time.
-    spawn_gloo(_deepspeed_worker, outdir, world=2, deadline_s=600, collective_timeout_s=300)
+    # Ranks of their own: DeepSpeed's init_distributed sets up its accelerator and comm for good.
+    spawn_gloo(_deepspeed_worker, outdir, world=2, deadline_s=600, collective_timeout_s=300, fresh=True)
     return [torch.load(outdir / f"deepspeed.{rank}.pt", weights_only=False) for rank in range(2)]
 
 

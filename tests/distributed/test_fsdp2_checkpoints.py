@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,8 @@ from torch import nn
 
 from flatten_parametrize import register_flat_storage
 
+from _gloo_pool import free_port
+
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the launched script lives there
 ROOT = TESTS.parent
 GETTERS = ["model.state_dict()", "get_model_state_dict", "get_model_state_dict, full", "flat_state_dict()"]
@@ -31,16 +32,10 @@ HOWS = ["load_state_dict", "set_model_state_dict", "full", "broadcast_from_rank0
 TOL = {"rtol": 0.0, "atol": 1e-6}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(mode: str, nproc: int, outdir: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(TESTS / "_fsdp2_checkpoints.py"), mode, str(outdir),
     ]  # fmt: skip
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
