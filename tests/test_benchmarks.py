@@ -249,6 +249,18 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
     assert "its floor (flat buffers by hand) peak RSS <= 1.00x DDP:" in done.stdout
 
 
+def test_zero_scale_quick_run_simulates_every_model_and_world_size(tmp_path: Path) -> None:
+    """`python -m benchmarks --only zero_scale --quick`: one row per model and W, each with its verdicts."""
+    done = _run(["-m", "benchmarks", "--only", "zero_scale", "--quick", "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "state met" in line]
+    assert len(rows) == 4 * 2, done.stdout[-4000:]
+    for model in ("GPT-2 124M", "Llama-3-8B", "Qwen3-30B-A3B", "nanochat d20"):
+        assert sum(model in row for row in rows) == 2, model
+    assert all("bytes met" in row for row in rows)
+    assert "Verdicts: " in done.stdout and "FAILED" not in done.stdout
+
+
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:
     """`bench_zero.py --collectives 2 --quick` prints one row per way of gathering and reducing slices."""
     done = _run(["benchmarks/bench_zero.py", "--quick", "--collectives", "2"], tmp_path)
