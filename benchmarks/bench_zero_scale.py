@@ -17,7 +17,7 @@ AdamW on the rest (embeddings, heads, norms, biases). Per model and world size `
 
 * ``state``, ``grads``, ``cost``: the largest rank over the mean: optimizer state bytes, ZeRO-2 gradient
   bytes, optimizer flops (``sharded_costs.py``); ``bound``: the least the largest rank can be over the
-  mean, ``max(mean, largest whole tensor) / mean``;
+  mean, ``max(mean, whole-tensor bound) / mean``;
 * ``padding``: what NCCL's one-buffer path (``W`` slots of the largest owner's share per bucket) would add
   to the buckets, and its bound ``W * max(largest tensor, n / W) - n`` under this bucket layout;
 * ``bytes``: bytes moved per step over element-wise ZeRO-2's (each bucket takes the one-buffer path where
@@ -196,13 +196,13 @@ def simulate(buckets: Sequence[Any], world: int) -> dict[str, Any]:
             ours += 2 * n * bucket.itemsize
             collectives += 2 * sum(len(owner) for owner in ranges)
 
-    def over_mean(values: Sequence[float], largest: float) -> tuple[float, float]:
+    def over_mean(values: Sequence[float], bound: float) -> tuple[float, float]:
         mean = sum(values) / world
-        return max(values) / mean, max(mean, largest) / mean
+        return max(values) / mean, bound / mean
 
-    state, state_bound = over_mean(plan.state, plan.largest[1])
-    cost, cost_bound = over_mean(plan.cost, plan.largest[0])
-    grads, grads_bound = over_mean([float(g) for g in plan.grads], float(plan.largest[2]))
+    state, state_bound = over_mean(plan.state, plan.bound[1])
+    cost, cost_bound = over_mean(plan.cost, plan.bound[0])
+    grads, grads_bound = over_mean([float(g) for g in plan.grads], plan.bound[2])
     return {
         "state": state,
         "state_bound": state_bound,

@@ -239,10 +239,12 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
         "(c) layer-wise by hand (floor)",
         "(d) whole tensors, ZeRO-1",
         "(e) whole tensors, ZeRO-2",
+        "(f) nanochat's scheme",
         "element-wise ZeRO-2, AdamW",
     ]
     assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
-    assert "Targets: (e) step <= 1.00x the faster of (b) and (c):" in done.stdout
+    assert "Targets: (e) step <= 1.00x (f):" in done.stdout
+    assert "(e) step <= 1.00x the faster of (b) and (c):" in done.stdout
     assert "Whole-tensor cut: elements per rank" in done.stdout
     assert "NCCL's one-buffer path would pad bucket by bucket" in done.stdout
     assert "per-tensor mode peak RSS <= 1.00x DDP:" in done.stdout

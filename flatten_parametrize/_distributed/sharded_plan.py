@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 from .sharded_costs import state_numel, step_cost
 from .sharded_rules import cuttable
 
-__all__ = ["SMALL_RUN", "Bucket", "Member", "Plan", "plan_ownership"]
+__all__ = ["SMALL_RUN", "Bucket", "Member", "Plan", "plan_ownership", "whole_bound"]
 
 #: A run of element-wise tensors whose state is under this fraction of a rank's mean goes whole to a
 #: neighbour's owner (one range fewer per run; the rest balances it).
@@ -72,8 +72,9 @@ class Plan(NamedTuple):
     state: list[float]
     #: Each rank's ZeRO-2 gradient (the elements it owns), in bytes.
     grads: list[int]
-    #: The least a rank can hold under whole tensors: the largest whole tensor's cost, state and gradient.
-    largest: tuple[float, float, int]
+    #: The least the most loaded rank can hold under whole tensors (cost, state bytes, gradient bytes):
+    #: the mean, or :func:`whole_bound` of the whole tensors, whichever is larger.
+    bound: tuple[float, float, float]
 
 
 class _Part(NamedTuple):
@@ -154,12 +155,30 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
         for b, bucket in enumerate(buckets)
     ]
     atomic = [p for p in parts if p.atomic]
-    largest = (
-        max((p.cost for p in atomic), default=0.0),
-        max((p.state for p in atomic), default=0.0),
-        max((p.numel * p.itemsize for p in atomic), default=0),
+    bound = (
+        max(sum(cost) / world, whole_bound([p.cost for p in atomic], world)),
+        max(sum(state) / world, whole_bound([p.state for p in atomic], world)),
+        max(sum(grads) / world, whole_bound([float(p.numel * p.itemsize) for p in atomic], world)),
     )
-    return Plan(ranges, cost, state, grads, largest)
+    return Plan(ranges, cost, state, grads, bound)
+
+
+def whole_bound(sizes: Sequence[float], world: int) -> float:
+    """Return a lower bound of the most loaded rank's load when ``sizes`` are dealt whole to ``world`` ranks.
+
+    Among the ``k * world + 1`` largest, some rank holds ``k + 1``, each at least the
+    ``(k * world + 1)``-th largest: the bound is the largest ``(k + 1) * sizes[k * world]``
+    (sorted from the largest; ``k = 0``: the largest tensor).
+
+    Example:
+        >>> whole_bound([80.0] * 96 + [30.0] * 64, 64)  # 96 equal matrices on 64 ranks: two share one
+        160.0
+    """
+    ordered = sorted(sizes, reverse=True)
+    return max(
+        ((k + 1) * ordered[k * world] for k in range(len(ordered) // world + 1) if k * world < len(ordered)),
+        default=0.0,
+    )
 
 
 def _runs(parts: Sequence[_Part]) -> list[list[_Part]]:

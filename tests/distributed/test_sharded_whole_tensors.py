@@ -438,7 +438,7 @@ def test_buckets_of_one_matrix_each_spread_over_the_ranks_by_cost():
         owners = [next(r for r, owner in enumerate(ranges) if owner) for ranges in plan.ranges]
         assert len(set(owners)) == world
         biggest = max(plan.cost)
-        assert biggest <= max(sum(plan.cost) / world, plan.largest[0]) * 1.5
+        assert biggest <= plan.bound[0] * 1.5
 
 
 # ----------------------------------------------------------------------------- in this process (1 rank)
