@@ -297,8 +297,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 ", ".join(f"{k} {_mark(ok)}" for k, ok in marks.items()),
             )
     table.notes += [
-        "state, grads, cost: the largest rank over the mean, [the bound: max(mean, largest whole tensor) / "
-        "mean]. padding: what NCCL's one-buffer path (W slots of the largest owner's share, per bucket) adds "
+        "state, grads, cost: the largest rank over the mean, [the bound over the mean: the mean, or, if "
+        "larger, some rank's k + 1 of the k W + 1 largest whole tensors (k = 0: the largest)]. padding: "
+        "what NCCL's one-buffer path (W slots of the largest owner's share, per bucket) adds "
         "to the buckets, [its bound for these buckets: W * max(largest matrix, n / W) - n]; the library "
         "takes it only for buckets it pads by at most 5%, the others move by owner. bytes: moved per step "
         "over element-wise ZeRO-2's. collectives: per step, ours (element-wise ZeRO-2's). targets: met, "
