@@ -11,7 +11,9 @@ The rule:
    ``sharded_rules.cuttable``) go largest step cost first (``sharded_costs.py``)
    to the rank with the least cost so far, ties to the one with the fewest state
    bytes (longest-processing-time first, over all buckets: a bucket holding one
-   matrix no longer gives it to the same rank as every other such bucket).
+   matrix no longer gives it to the same rank as every other such bucket). The
+   owners of equal tensors (same cost, state and size) are then dealt again in
+   layout order, so that each owner's lie side by side (fewer ranges to move).
 2. **Element-wise tensors** may be cut. A run of them between two whole tensors
    of a bucket whose state is under :data:`SMALL_RUN` of a rank's mean goes whole
    to the owner of the whole tensor before it (after it, at a bucket's start), so
@@ -135,6 +137,8 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
         give(part, part.offset, part.offset + part.numel, rank)
         whole[part.bucket, part.offset] = rank
         heapq.heappush(heap, (cost[rank], state[rank], rank))
+    _side_by_side([p for p in parts if p.atomic], whole)
+    owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
     # 2. element-wise runs: small ones to a neighbour's owner, the others to one common level of state
     mean = sum(p.state for p in parts) / world
     offsets: dict[int, list[int]] = {}
@@ -179,6 +183,21 @@ def whole_bound(sizes: Sequence[float], world: int) -> float:
         ((k + 1) * ordered[k * world] for k in range(len(ordered) // world + 1) if k * world < len(ordered)),
         default=0.0,
     )
+
+
+def _side_by_side(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) -> None:
+    """Deal the owners of equal whole tensors again in layout order, so that one owner's lie side by side.
+
+    Tensors of equal cost, state and size are interchangeable: no rank's load changes, and a run of
+    them in a bucket (a layer's experts) goes to few owners, in few ranges, instead of one owner each.
+    """
+    alike: dict[tuple[float, float, int, int], list[_Part]] = {}
+    for part in atomic:  # in layout order
+        alike.setdefault((part.cost, part.state, part.numel, part.itemsize), []).append(part)
+    for group in alike.values():
+        owners = sorted(whole[p.bucket, p.offset] for p in group)
+        for part, rank in zip(group, owners):
+            whole[part.bucket, part.offset] = rank
 
 
 def _runs(parts: Sequence[_Part]) -> list[list[_Part]]:
