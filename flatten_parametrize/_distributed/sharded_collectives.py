@@ -53,14 +53,16 @@ def one_buffer(chunk: int, numel: int, world: int) -> bool:
     """Return whether a bucket of ``numel`` elements whose largest owner holds ``chunk`` moves in one buffer.
 
     NCCL's path: one ``reduce_scatter`` and one ``all_gather`` of ``world * chunk`` elements, taken where
-    that pads the bucket by at most :data:`MAX_PADDING` (else each owner's ranges move on their own, and
-    the bytes stay the bucket's).
+    that pads the bucket by at most :data:`MAX_PADDING`, or by less than one element per rank (ZeRO's equal
+    slices of a small bucket); else each owner's ranges move on their own, and the bytes stay the bucket's.
 
     Example:
         >>> one_buffer(25, 100, 4), one_buffer(100, 100, 4)  # even slices; one owner of the whole bucket
         (True, False)
+        >>> one_buffer(3, 10, 4)  # equal slices of a small bucket
+        True
     """
-    return chunk * world - numel <= MAX_PADDING * numel
+    return chunk * world - numel <= max(MAX_PADDING * numel, world - 1)
 
 
 class Collectives:
