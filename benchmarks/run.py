@@ -48,9 +48,13 @@ WORKLOADS: dict[str, tuple[str, str]] = {
     ),
     "ddp": ("benchmarks.bench_ddp", "data-parallel gradient sync (benchmarks/bench_ddp.py)"),
     "zero": ("benchmarks.bench_zero", "sharded optimizers, ZeRO-1/2 (benchmarks/bench_zero.py)"),
+    "zero_scale": (
+        "benchmarks.bench_zero_scale",
+        "whole-tensor ownership at 8 to 1024 ranks on meta-device models (benchmarks/bench_zero_scale.py)",
+    ),
 }
 #: Workloads that are scripts of their own (``main(argv)``, process pairs); left out of ``--quick``.
-SCRIPTS = ("ddp", "zero")
+SCRIPTS = ("ddp", "zero", "zero_scale")
 #: Workloads of one process per contender that ``--quick`` runs only when named with ``--only``.
 SEPARATE = ("mixed_precision",)
 BENCH_DIR = Path(__file__).resolve().parent

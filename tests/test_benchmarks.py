@@ -251,14 +251,28 @@ def test_zero_benchmark_quick_run_times_every_contender_and_reports_targets(tmp_
         "(c) layer-wise by hand (floor)",
         "(d) whole tensors, ZeRO-1",
         "(e) whole tensors, ZeRO-2",
+        "(f) nanochat's scheme",
         "element-wise ZeRO-2, AdamW",
     ]
     assert "Targets: ZeRO-2 step <= 1.10x DDP:" in done.stdout
-    assert "Targets: (e) step <= 1.00x the faster of (b) and (c):" in done.stdout
+    assert "Targets: (e) step <= 1.00x (f):" in done.stdout
+    assert "(e) step <= 1.00x the faster of (b) and (c):" in done.stdout
     assert "Whole-tensor cut: elements per rank" in done.stdout
     assert "NCCL's one-buffer path would pad bucket by bucket" in done.stdout
     assert "per-tensor mode peak RSS <= 1.00x DDP:" in done.stdout
     assert "its floor (flat buffers by hand) peak RSS <= 1.00x DDP:" in done.stdout
+
+
+def test_zero_scale_quick_run_simulates_every_model_and_world_size(tmp_path: Path) -> None:
+    """`python -m benchmarks --only zero_scale --quick`: one row per model and W, each with its verdicts."""
+    done = _run(["-m", "benchmarks", "--only", "zero_scale", "--quick", "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "state met" in line]
+    assert len(rows) == 4 * 2, done.stdout[-4000:]
+    for model in ("GPT-2 124M", "Llama-3-8B", "Qwen3-30B-A3B", "nanochat d20"):
+        assert sum(model in row for row in rows) == 2, model
+    assert all("bytes met" in row for row in rows)
+    assert "Verdicts: " in done.stdout and "FAILED" not in done.stdout
 
 
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:

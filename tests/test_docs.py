@@ -146,7 +146,7 @@ def test_the_link_check_finds_missing_files_and_anchors(tmp_path: Path) -> None:
 def _run_code_blocks(tmp_path: Path, pages: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run ``tests/test_doc_blocks.py`` on a tree holding only ``pages`` (paths relative to the root)."""
     (tmp_path / "tests").mkdir()
-    for name in ("test_doc_blocks.py", "_helpers.py"):
+    for name in ("test_doc_blocks.py", "_helpers.py", "_gloo_pool.py"):
         shutil.copyfile(ROOT / "tests" / name, tmp_path / "tests" / name)
     for name, text in {"README.md": "# Project\n", **pages}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

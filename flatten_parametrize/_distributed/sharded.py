@@ -133,9 +133,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``ALLOWED_OPTIMIZERS`` that the caller knows to be element-wise.
         whole_tensors: give each rank whole tensors instead of slices, for
             optimizers whose math is per tensor (Muon, Adafactor, LAMB):
-            each bucket is cut at tensor boundaries into one contiguous
-            range per rank, balanced by elements (never through a tensor
-            whose group's optimizer is not element-wise), and the rank
+            who owns which tensor is decided over every bucket at once,
+            balanced by what each tensor's step costs (Newton-Schulz flops
+            for Muon-like classes, elements for element-wise ones; a class
+            may state its own with ``step_cost(shape)`` and
+            ``state_numel(shape)`` class attributes), never cutting a tensor
+            whose group's optimizer is not element-wise, and the rank
             steps its tensors in their real shapes. ``params`` may then
             hold the model's parameters of per-tensor mode (after
             ``storage.unflatten()``) and a param group may name its own

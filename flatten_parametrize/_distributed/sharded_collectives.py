@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .shard import Shard
 
-__all__ = ["Collectives", "Works", "all_gather", "reduce_scatter"]
+__all__ = ["Collectives", "Works", "all_gather", "one_buffer", "reduce_scatter"]
 
 #: The one-buffer collectives (newer torch names them ``*_single``).
 all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,6 +47,22 @@ MAX_PADDING = 0.05
 
 #: The handles of the collectives in flight for one flat gradient, and what gives its result after them.
 Works = tuple[list[Any], Callable[[], Tensor]]
+
+
+def one_buffer(chunk: int, numel: int, world: int) -> bool:
+    """Return whether a bucket of ``numel`` elements whose largest owner holds ``chunk`` moves in one buffer.
+
+    NCCL's path: one ``reduce_scatter`` and one ``all_gather`` of ``world * chunk`` elements, taken where
+    that pads the bucket by at most :data:`MAX_PADDING`, or by less than one element per rank (ZeRO's equal
+    slices of a small bucket); else each owner's ranges move on their own, and the bytes stay the bucket's.
+
+    Example:
+        >>> one_buffer(25, 100, 4), one_buffer(100, 100, 4)  # even slices; one owner of the whole bucket
+        (True, False)
+        >>> one_buffer(3, 10, 4)  # equal slices of a small bucket
+        True
+    """
+    return chunk * world - numel <= max(MAX_PADDING * numel, world - 1)
 
 
 class Collectives:
@@ -72,9 +88,7 @@ class Collectives:
 
     def by_owner_for(self, shard: Shard) -> bool:
         """Return whether ``shard``'s ranges move one owner at a time (else: one padded buffer)."""
-        if self.by_owner:
-            return True
-        return not shard.aligned and shard.chunk * self.world - shard.numel > MAX_PADDING * shard.numel
+        return self.by_owner or not one_buffer(shard.chunk, shard.numel, self.world)
 
     def device(self, flats: Sequence[Tensor]) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""

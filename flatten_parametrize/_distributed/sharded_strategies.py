@@ -16,10 +16,11 @@ path and the state conversion (``sharded_state.py``) work from those for every r
 * :class:`Slices` (ZeRO-1/2): each flat parameter is its own entry, cut into ``W`` equal slices
   (``c = ceil(n / W)`` elements; the last ones shorter or empty): rank ``r`` owns the ``r``-th and
   steps it as one 1-D piece with an element-wise optimizer.
-* :class:`WholeTensors` (``whole_tensors=True``): each of the model's tensors is an entry; each flat
-  parameter is cut at tensor boundaries into one range per rank, balanced by elements, never through
-  a tensor whose class is not element-wise (``sharded_rules.cuttable``); the rank steps its tensors in
-  their shapes with their group's class.
+* :class:`WholeTensors` (``whole_tensors=True``): each of the model's tensors is an entry; who owns
+  which tensors is decided over every flat parameter at once, balanced by what each tensor's step
+  costs (``sharded_plan.py``, ``sharded_costs.py``), never cutting a tensor whose class is not
+  element-wise (``sharded_rules.cuttable``); a rank's part of a flat parameter may be several ranges;
+  the rank steps its tensors in their shapes with their group's class.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .sharded_args import (
     not_in_storage,
     param_groups,
 )
+from .sharded_plan import Bucket, Member, Plan, plan_ownership
 from .sharded_rules import (
     check_known_settings,
     check_slice_settings,
@@ -49,7 +51,7 @@ from .sharded_rules import (
 if TYPE_CHECKING:
     from .._core.records import Coordinator
 
-__all__ = ["Entry", "ShardedGroup", "Slices", "Strategy", "WholeTensors", "cut_whole_tensors"]
+__all__ = ["Entry", "ShardedGroup", "Slices", "Strategy", "WholeTensors", "buckets_of"]
 
 
 class Entry(NamedTuple):
@@ -165,8 +167,12 @@ class WholeTensors:
 
     def __init__(self, storage: Coordinator) -> None:
         self._layouts = [group.layout for group in storage.groups()]
-        #: ``(g, member index)`` -> whether its class needs it whole (filled by :meth:`groups`).
-        self._atomic: dict[tuple[int, int], bool] = {}
+        #: ``(g, member index)`` -> the class that steps it (filled by :meth:`groups`).
+        self._classes: dict[tuple[int, int], type] = {}
+        #: Each flat parameter's element size and whether it is trained (it is sharded then).
+        self._flats = [(f.element_size(), f.requires_grad) for f in storage.flat_params]
+        #: The ownership of every sharded flat parameter, made once for the world size.
+        self._plan: tuple[int, dict[int, int], Plan] | None = None
 
     def groups(
         self,
@@ -227,7 +233,7 @@ class WholeTensors:
             init = construction_kwargs(cls, optimizer_kwargs if cls is optimizer_class else {}, group)
             check_known_settings(cls([torch.zeros(2, 2, requires_grad=True)], **init))
             check_steps_alone(cls, init, [tuple(t.shape) for t in tensors])
-            self._atomic.update(dict.fromkeys(members, not cuttable(cls)))
+            self._classes.update(dict.fromkeys(members, cls))
             entries = [self._entry(g, index) for g, index in members]
             out.append(ShardedGroup({**group, "params": tensors}, cls, entries, init, cuttable(cls)))
         return out
@@ -236,29 +242,36 @@ class WholeTensors:
         layout = self._layouts[g]
         return Entry(g, layout.offsets[index], layout.numels[index], tuple(layout.shapes[index]))
 
-    def _members(self, g: int) -> list[tuple[int, int, int, tuple[int, ...], bool]]:
+    def _members(self, g: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
         layout = self._layouts[g]
         return [
-            (
-                index,
-                layout.offsets[index],
-                layout.numels[index],
-                tuple(layout.shapes[index]),
-                self._atomic.get((g, index), False),
-            )
+            (index, layout.offsets[index], layout.numels[index], tuple(layout.shapes[index]))
             for index in range(len(layout.numels))
         ]
 
+    def _planned(self, world: int) -> tuple[dict[int, int], Plan]:
+        """Return the plan over every sharded flat parameter (made once) and each one's bucket."""
+        if self._plan is None or self._plan[0] != world:
+            used = sorted({g for g, _ in self._classes if self._flats[g][1]})
+            buckets = buckets_of(
+                [(self._layouts[g].numel, self._flats[g][0], self._members(g)) for g in used],
+                [[self._classes.get((g, m[0])) for m in self._members(g)] for g in used],
+            )
+            self._plan = (world, {g: b for b, g in enumerate(used)}, plan_ownership(buckets, world))
+        return self._plan[1], self._plan[2]
+
     def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
-        """Return each rank's range, cut at whole tensors (:func:`cut_whole_tensors`)."""
-        cuts = cut_whole_tensors(numel, self._members(g), world)
-        return [[(cuts[r], cuts[r + 1])] for r in range(world)]
+        """Return each rank's ranges of flat parameter ``g``, from the plan over every flat parameter."""
+        index, plan = self._planned(world)
+        if g not in index:  # nothing of it is stepped here: one owner, nothing to balance
+            return [[(0, numel)] if r == 0 else [] for r in range(world)]
+        return plan.ranges[index[g]]
 
     def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
         """Return each tensor (or part of an element-wise one) inside this rank's ranges, in its shape."""
         out = []
         for lo, hi in mine:
-            for index, offset, numel, shape, _ in self._members(g):
+            for index, offset, numel, shape in self._members(g):
                 start, stop = max(offset, lo), min(offset + numel, hi)
                 if stop > start:
                     whole = start == offset and stop == offset + numel
@@ -273,43 +286,33 @@ class WholeTensors:
         )
 
 
-def cut_whole_tensors(
-    numel: int, members: Sequence[tuple[int, int, int, tuple[int, ...], bool]], world: int
-) -> list[int]:
-    """Return the ``world + 1`` boundaries of the ranks' ranges of a flat buffer of ``numel`` elements.
-
-    Rank ``r`` gets ``[cuts[r], cuts[r + 1])``. Each boundary is the even cut
-    ``round(numel * r / world)``, moved to the nearer end of an atomic member
-    that it would split (never before the previous boundary): each rank's
-    range differs from ``numel / world`` by at most half the largest atomic
-    member, and a member that may be split (element-wise math) keeps the even
-    cut.
+def buckets_of(
+    flats: Sequence[tuple[int, int, Sequence[tuple[int, int, int, tuple[int, ...]]]]],
+    classes: Sequence[Sequence[type | None]],
+) -> list[Bucket]:
+    """Return the buckets that ``sharded_plan.plan_ownership`` balances, from flat parameters' layouts.
 
     Args:
-        numel: the flat buffer's size, padding included.
-        members: its members ``(index, offset, numel, shape, atomic)``, in any order.
-        world: the number of ranks.
+        flats: per flat parameter, its numel (padding included), element size and members
+            ``(index, offset, numel, shape)``.
+        classes: per flat parameter, the class that steps each member (``None``: none).
 
     Returns:
-        The boundaries, from 0 to ``numel``, non-decreasing.
+        One bucket per flat parameter.
 
     Example:
-        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), True), (1, 6, 4, (4,), False)], 2)
-        [0, 6, 10]
-        >>> cut_whole_tensors(10, [(0, 0, 6, (2, 3), False), (1, 6, 4, (4,), False)], 2)
-        [0, 5, 10]
+        >>> import torch
+        >>> buckets_of([(6, 4, [(0, 0, 6, (2, 3))])], [[torch.optim.Muon]])[0].members[0].shape
+        (2, 3)
     """
-    atomic = sorted((offset, offset + n) for _, offset, n, _, whole in members if whole and n > 1)
-    cuts = [0]
-    for r in range(1, world):
-        cut = (numel * r + world // 2) // world
-        for start, stop in atomic:
-            if start < cut < stop:
-                cut = start if cut - start <= stop - cut else stop
-                break
-        cuts.append(max(cut, cuts[-1]))
-    cuts.append(numel)
-    return cuts
+    return [
+        Bucket(
+            numel,
+            itemsize,
+            [Member(offset, n, shape, cls) for (_, offset, n, shape), cls in zip(members, owners)],
+        )
+        for (numel, itemsize, members), owners in zip(flats, classes)
+    ]
 
 
 def strategy_for(storage: Coordinator, whole_tensors: bool) -> Strategy:

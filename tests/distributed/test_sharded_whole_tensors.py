@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 from flatten_parametrize._distributed import sharded_collectives
-from flatten_parametrize._distributed.sharded_strategies import cut_whole_tensors
+from flatten_parametrize._distributed.sharded_plan import Bucket, Member, plan_ownership
 
 from _helpers import assert_same_optim_state, launch_gloo, launch_results, save_result
 
@@ -364,20 +364,25 @@ def test_muon_and_adamw_by_group_train_as_one_process_on_every_rank(launch, scen
             torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
 
 
-def test_each_rank_owns_whole_matrices_in_one_range_and_zero2_keeps_only_that_range(launch):
-    """The ranges tile the bucket; no matrix crosses a cut; after backward ZeRO-2 holds the range only."""
+def test_the_ranges_tile_the_bucket_no_matrix_crosses_a_cut_and_zero2_keeps_only_those(launch):
+    """Every element has one owner; no matrix is cut; after backward ZeRO-2 holds this rank's ranges only."""
     results = launch_results(launch, "zero2")
     every, _ = results[0]["ranges"][0]  # every rank's ranges of the trainable bucket (the frozen has none)
-    assert all(len(owner) <= 1 for owner in every)  # one range per rank
-    ranges = [owner[0] for owner in every if owner]
-    assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    tiles = sorted(r for owner in every for r in owner)
+    assert tiles[0][0] == 0 and all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+    model = _Gpt()
+    offsets = 0
+    for name, p in model.named_parameters():  # the layout's order: the module's (one bucket)
+        if p.requires_grad and name.startswith("blocks.") and p.ndim == 2:
+            assert not any(offsets < lo < offsets + p.numel() for lo, _ in tiles), name
+        offsets += p.numel() if p.requires_grad and name != "head.weight" else 0
     for result in results:
         _, owned = result["ranges"][0]
         for held in result["held"]:
             assert held["leaf_grads"] == 0  # the model's full gradients were freed
             assert held["range_grads"] == owned
     if launch["world"] == 3:
-        assert any("Muon" not in r["classes"] for r in results)  # a rank with no matrix still trains
+        assert sum(bool(owner) for owner in every) == 3  # every rank owns a part
 
 
 def test_nccls_one_buffer_path_takes_the_buckets_padded_by_at_most_the_limit(launch):
@@ -399,17 +404,41 @@ def test_a_buckets_reduction_starts_during_backward_once_its_last_leaf_landed(la
         assert synced[0] < result["leaves"] // 2, synced  # the first bucket goes out early in backward
 
 
-def test_cuts_never_split_an_atomic_tensor_and_stay_within_half_of_the_largest():
-    """The cut rule over a bucket: atomic members whole, even cuts kept inside divisible ones."""
-    members = [(0, 0, 100, (100,), False), (1, 100, 24, (4, 6), True), (2, 124, 40, (5, 8), True)]
+def test_the_plan_never_cuts_a_whole_tensor_and_tiles_every_bucket():
+    """Over buckets of one matrix, of mixed matrices and of element-wise tensors, for 1 to 7 ranks."""
+    muon, adamw = torch.optim.Muon, torch.optim.AdamW
+    buckets = [
+        Bucket(64, 4, [Member(0, 64, (8, 8), muon)]),
+        Bucket(
+            200,
+            4,
+            [Member(0, 100, (100,), adamw), Member(100, 24, (4, 6), muon), Member(128, 40, (5, 8), muon)],
+        ),
+        Bucket(96, 4, [Member(0, 96, (96,), adamw)]),
+    ]
     for world in (1, 2, 3, 4, 7):
-        cuts = cut_whole_tensors(164, members, world)
-        assert cuts[0] == 0 and cuts[-1] == 164 and cuts == sorted(cuts)
-        for _, offset, numel, _, atomic in members:
-            if atomic:
-                assert not any(offset < c < offset + numel for c in cuts)
-        for r in range(world):
-            assert abs(cuts[r + 1] - cuts[r] - 164 / world) <= 40 / 2 + 164 / world
+        plan = plan_ownership(buckets, world)
+        for bucket, ranges in zip(buckets, plan.ranges):
+            tiles = sorted(r for owner in ranges for r in owner)
+            assert tiles[0][0] == 0 and tiles[-1][1] == bucket.numel
+            assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+            cuts = {lo for lo, _ in tiles}
+            for m in bucket.members:
+                if m.optimizer_class is muon:
+                    assert not any(m.offset < c < m.offset + m.numel for c in cuts)
+        assert sum(plan.grads) == 4 * sum(m.numel for b in buckets for m in b.members)
+
+
+def test_buckets_of_one_matrix_each_spread_over_the_ranks_by_cost():
+    """One matrix per bucket: each goes to the least loaded rank (not all to rank 0), largest cost first."""
+    shapes = [(16, 16), (16, 16), (16, 4), (16, 4), (16, 16), (16, 4)]
+    buckets = [Bucket(m * n, 4, [Member(0, m * n, (m, n), torch.optim.Muon)]) for m, n in shapes]
+    for world in (2, 3, 4):
+        plan = plan_ownership(buckets, world)
+        owners = [next(r for r, owner in enumerate(ranges) if owner) for ranges in plan.ranges]
+        assert len(set(owners)) == world
+        biggest = max(plan.cost)
+        assert biggest <= plan.bound[0] * 1.5
 
 
 # ----------------------------------------------------------------------------- in this process (1 rank)

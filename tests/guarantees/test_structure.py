@@ -418,6 +418,8 @@ FEATURES = {
         "_distributed.sharded_reducer",
         "_distributed.sharded_rules",
         "_distributed.sharded_strategies",
+        "_distributed.sharded_plan",
+        "_distributed.sharded_costs",
         "_distributed.shard",
     },
     "disk offload": {"_features.offload"},

@@ -1,0 +1,264 @@
+"""Whole-tensor ownership on real ranks agrees with the plan that ``bench_zero_scale.py`` simulates.
+
+Two models trained with ``ShardedOptimizer(whole_tensors=True)`` (torch's ``Muon`` on the hidden
+matrices, ``AdamW`` on the rest, ZeRO-2) on 2, 3 and 4 gloo ranks (one launch each, both models in it):
+
+* ``one_matrix``: every tensor its own bucket (``bucket_cap_mb`` below any tensor), the case where each
+  bucket used to be cut on its own and every matrix went to the same rank;
+* ``mixed``: matrices of four shapes and element-wise tensors sharing buckets of 3 KiB.
+
+Per rank, the optimizer state bytes are what ``sharded_plan.plan_ownership`` predicts (the function
+that ``benchmarks/bench_zero_scale.py`` runs without a process group), no rank holds all the matrices,
+and the weights equal one process's (the plain model, the same optimizers, each step's gradient the
+average over the ranks: bit for bit on 2 ranks, within a few ulps on 3 and 4, whose sums gloo orders
+its own way). A DCP checkpoint written at 2 ranks resumes at 3, and the one written there at 4, each
+resumed run equal to one process whose step ``i`` averaged over that step's ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize._distributed.sharded_plan import plan_ownership
+from flatten_parametrize._distributed.sharded_strategies import buckets_of
+
+from _helpers import launch_gloo, launch_results, save_result
+
+pytestmark = pytest.mark.slow
+
+ROWS = 4  # per rank and step
+#: Bucket size in MiB per model: one byte (every tensor alone), 3 KiB (mixed).
+CAPS = {"one_matrix": 1 / 2**20, "mixed": 3 * 1024 / 2**20}
+
+
+class _Net(nn.Module):
+    """An embedding, matrices of four shapes (some sharing a width), norms and biases, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 8)
+        self.layers = nn.ModuleList(
+            [nn.Linear(8, 24), nn.Linear(24, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 16)]
+        )
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 8, bias=False)
+        self.head = nn.Linear(8, 32, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(self.out(self.norm(h)))
+
+
+def _is_matrix(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and name.startswith(("layers.", "out."))
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    named = list(model.named_parameters())
+    return [
+        {
+            "params": [p for n, p in named if _is_matrix(n, p)],
+            "optimizer_class": torch.optim.Muon,
+            "lr": 0.02,
+        },
+        {"params": [p for n, p in named if not _is_matrix(n, p)], "lr": 1e-2},
+    ]
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 32, (ROWS, 3), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).pow(2).mean()
+
+
+def _built(kind: str) -> tuple[nn.Module, Any]:
+    model = _Net()
+    storage = register_flat_storage(model, bucket_cap_mb=CAPS[kind])
+    storage.unflatten()
+    return model, ShardedOptimizer(storage, torch.optim.AdamW, _groups(model), whole_tensors=True)
+
+
+def _train(model: nn.Module, opt: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        _loss(model, _batch(step, rank)).backward()
+        opt.step()
+
+
+def _state_bytes(opt: Any) -> int:
+    """The bytes of this rank's per-element optimizer state (scalars such as a step count left out)."""
+    return sum(
+        value.numel() * value.element_size()
+        for inner in opt.local_optimizer.optimizers
+        for state in inner.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() >= 1
+    )
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _reference(worlds: list[int]) -> dict[str, torch.Tensor]:
+    """One process: the plain model, the same optimizers, step ``i`` averaging ``worlds[i]`` ranks' grads.
+
+    On one thread, as the ranks (a matrix product on two threads may round otherwise).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _referenced(worlds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _referenced(worlds: list[int]) -> dict[str, torch.Tensor]:
+    model = _Net()
+    groups = _groups(model)
+    muon = torch.optim.Muon(groups[0]["params"], lr=0.02)
+    adamw = torch.optim.AdamW(groups[1]["params"], lr=1e-2)
+    params = list(model.parameters())
+    for step, world in enumerate(worlds):
+        total = [torch.zeros_like(p) for p in params]
+        for rank in range(world):
+            model.zero_grad()
+            _loss(model, _batch(step, rank)).backward()
+            for t, p in zip(total, params):
+                t.add_(p.grad)
+        for t, p in zip(total, params):
+            p.grad = t / world
+        muon.step()
+        adamw.step()
+    return _weights(model)
+
+
+def _dcp(model: nn.Module, opt: Any, path: Any, load: bool) -> None:
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if load:
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _worker(
+    rank: int, world: int, outdir: Any, resume_from: Any = None, resume_step: int = 2, suffix: str = ""
+) -> None:
+    torch.set_num_threads(1)
+    for kind in CAPS:
+        model, opt = _built(kind)
+        _train(model, opt, rank, range(2))
+        shards = opt._ownership.shards
+        save_result(
+            outdir,
+            rank,
+            kind,
+            {
+                "weights": _weights(model),
+                "state_bytes": _state_bytes(opt),
+                "owned": sum(s.owned for s in shards),
+                "buckets": len(shards),
+                "matrices": sum(
+                    len(group["params"])
+                    for inner in opt.local_optimizer.optimizers
+                    if isinstance(inner, torch.optim.Muon)
+                    for group in inner.param_groups
+                ),
+            },
+        )
+        _dcp(model, opt, outdir / f"dcp_{kind}", load=False)
+        if resume_from is not None:
+            model, opt = _built(kind)
+            _dcp(model, opt, resume_from / f"dcp_{kind}{suffix}", load=True)
+            _train(model, opt, rank, range(resume_step, resume_step + 1))
+            save_result(outdir, rank, f"{kind}.resumed", {"weights": _weights(model)})
+            _dcp(model, opt, outdir / f"dcp_{kind}.resumed", load=False)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return launch_gloo(_worker, tmp_path_factory.mktemp("own2"), world=2)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(two_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Also resumes the 2-rank checkpoint (after steps 0 and 1) and trains step 2."""
+    worker = functools.partial(_worker, resume_from=two_ranks["outdir"], resume_step=2)
+    return launch_gloo(worker, tmp_path_factory.mktemp("own3"), world=3)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(three_ranks: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Also resumes the 3-rank run's resumed checkpoint (after steps 0, 1 at 2 ranks, 2 at 3) at step 3."""
+    worker = functools.partial(_worker, resume_from=three_ranks["outdir"], resume_step=3, suffix=".resumed")
+    return launch_gloo(worker, tmp_path_factory.mktemp("own4"), world=4)
+
+
+@pytest.fixture(params=[2, 3, 4], ids=["2 ranks", "3 ranks", "4 ranks"])
+def launch(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return request.getfixturevalue({2: "two_ranks", 3: "three_ranks", 4: "four_ranks"}[request.param])
+
+
+def _planned(kind: str, world: int) -> Any:
+    """The plan that ``bench_zero_scale.py`` computes for this layout, with no process group."""
+    model = _Net()
+    storage = register_flat_storage(model, bucket_cap_mb=CAPS[kind])
+    index = {name: g for g, name in enumerate(storage.group_names)}
+    flats: list[Any] = [(f.numel(), f.element_size(), []) for f in storage.flat_params]
+    classes: list[list[Any]] = [[] for _ in storage.flat_params]
+    for i, info in enumerate(storage.param_infos):
+        flats[index[info.group]][2].append((i, info.offset, info.numel, tuple(info.shape)))
+        matrix = info.name.startswith(("layers.", "out.")) and len(info.shape) == 2
+        classes[index[info.group]].append(torch.optim.Muon if matrix else torch.optim.AdamW)
+    return plan_ownership(buckets_of(flats, classes), world)
+
+
+@pytest.mark.parametrize("kind", list(CAPS))
+def test_each_ranks_state_bytes_are_the_simulated_ones(launch, kind):
+    """Per rank: the optimizer state bytes and the ZeRO-2 gradient elements the plan predicts."""
+    world = launch["world"]
+    plan = _planned(kind, world)
+    results = launch_results(launch, kind)
+    assert [r["state_bytes"] for r in results] == [int(s) for s in plan.state]
+    assert [4 * r["owned"] for r in results] == plan.grads
+    if kind == "one_matrix":
+        assert results[0]["buckets"] == len(list(_Net().parameters()))  # one tensor per bucket
+    assert all(r["matrices"] >= 1 for r in results)  # every rank steps a matrix (5 over up to 4 ranks)
+
+
+@pytest.mark.parametrize("kind", list(CAPS))
+def test_every_rank_ends_as_one_process(launch, kind):
+    """The weights after two steps equal the plain model's with the same optimizers."""
+    reference = _reference([launch["world"]] * 2)
+    for result in launch_results(launch, kind):
+        for name, value in reference.items():
+            if launch["world"] == 2:
+                assert torch.equal(result["weights"][name], value), name
+            else:
+                torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(CAPS))
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_dcp_checkpoint_resumes_at_another_world_size(request, kind, world):
+    """2 ranks save, 3 resume and save, 4 resume: each equal to one process with those steps' ranks."""
+    launch = request.getfixturevalue({3: "three_ranks", 4: "four_ranks"}[world])
+    reference = _reference([2, 2, 3] if world == 3 else [2, 2, 3, 4])
+    for result in launch_results(launch, f"{kind}.resumed"):
+        for name, value in reference.items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
