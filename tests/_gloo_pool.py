@@ -133,6 +133,12 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}
 
 
+def _send(pool: _Pool, job: tuple[Any, ...]) -> None:
+    for rank in pool.ranks:
+        rank.done = None
+        rank.conn.send(job)
+
+
 @atexit.register
 def _close_pools() -> None:
     for pool in _POOLS.values():
@@ -161,9 +167,12 @@ def run_ranks(
         pool = None
     pool = pool or _Pool(world)
     job = (worker, free_port(), str(outdir), collective_timeout_s)
-    for rank in pool.ranks:
-        rank.done = None
-        rank.conn.send(job)
+    try:
+        _send(pool, job)
+    except OSError:  # a kept rank died since the last launch: start new ones
+        pool.close(kill=True)
+        pool = _Pool(world)
+        _send(pool, job)
     start, failed_at = time.monotonic(), None
     while any(rank.done is None for rank in pool.ranks):
         now = time.monotonic()

@@ -89,3 +89,15 @@ def test_a_launch_under_another_environment_gets_ranks_started_under_it(tmp_path
     under = _launch(tmp_path / "under", 2)
     assert not _pids(before) & _pids(under)
     assert _pids(_launch(tmp_path / "again", 2)) == _pids(under)
+
+
+def test_a_kept_rank_that_died_between_launches_is_replaced(tmp_path: Path) -> None:
+    """A rank of the pool killed after its launch: the next launch starts new ranks and runs."""
+    import _gloo_pool
+
+    before = _launch(tmp_path / "before", 2)
+    _gloo_pool._POOLS[2].ranks[1].process.kill()
+    _gloo_pool._POOLS[2].ranks[1].process.join(10)
+    after = _launch(tmp_path / "after", 2)
+    assert not _pids(before) & _pids(after)
+    assert [rank[3] for rank in after] == ["3.0", "3.0"]
