@@ -35,14 +35,14 @@ from typing import Callable, NamedTuple
 from .sharded_costs import state_numel, step_cost
 from .sharded_rules import cuttable
 
-__all__ = ["SMALL_RUN", "Bucket", "Member", "Plan", "plan_ownership", "whole_bound"]
+__all__ = ["SMALL_RUN", "Bucket", "BucketTensor", "Plan", "plan_ownership", "whole_bound"]
 
 #: A run of element-wise tensors whose state is under this fraction of a rank's mean goes whole to a
 #: neighbour's owner (one range fewer per run; the rest balances it).
 SMALL_RUN = 0.01
 
 
-class Member(NamedTuple):
+class BucketTensor(NamedTuple):
     """A tensor of a bucket, as the plan sees it."""
 
     #: Its first element in the bucket.
@@ -60,7 +60,7 @@ class Bucket(NamedTuple):
 
     numel: int
     itemsize: int
-    members: Sequence[Member]
+    members: Sequence[BucketTensor]
 
 
 class Plan(NamedTuple):
@@ -89,7 +89,7 @@ class _Part(NamedTuple):
     atomic: bool
 
 
-def _part(b: int, itemsize: int, member: Member) -> _Part:
+def _part(b: int, itemsize: int, member: BucketTensor) -> _Part:
     cls = member.optimizer_class
     if cls is None:
         return _Part(b, member.offset, member.numel, 0.0, 0.0, itemsize, False)
@@ -110,7 +110,7 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
 
     Example:
         >>> import torch
-        >>> one = [Member(0, 64, (8, 8), torch.optim.Muon)]
+        >>> one = [BucketTensor(0, 64, (8, 8), torch.optim.Muon)]
         >>> plan = plan_ownership([Bucket(64, 4, one), Bucket(64, 4, one)], 2)
         >>> plan.ranges  # one matrix per bucket, one bucket per rank
         [[[(0, 64)], []], [[], [(0, 64)]]]

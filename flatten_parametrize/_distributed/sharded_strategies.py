@@ -39,7 +39,7 @@ from .sharded_args import (
     not_in_storage,
     param_groups,
 )
-from .sharded_plan import Bucket, Member, Plan, plan_ownership
+from .sharded_plan import Bucket, BucketTensor, Plan, plan_ownership
 from .sharded_rules import (
     check_known_settings,
     check_slice_settings,
@@ -309,7 +309,7 @@ def buckets_of(
         Bucket(
             numel,
             itemsize,
-            [Member(offset, n, shape, cls) for (_, offset, n, shape), cls in zip(members, owners)],
+            [BucketTensor(offset, n, shape, cls) for (_, offset, n, shape), cls in zip(members, owners)],
         )
         for (numel, itemsize, members), owners in zip(flats, classes)
     ]

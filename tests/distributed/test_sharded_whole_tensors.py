@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
 from flatten_parametrize._distributed import sharded_collectives
-from flatten_parametrize._distributed.sharded_plan import Bucket, Member, plan_ownership
+from flatten_parametrize._distributed.sharded_plan import Bucket, BucketTensor, plan_ownership
 
 from _helpers import assert_same_optim_state, launch_gloo, launch_results, save_result
 
@@ -408,13 +408,17 @@ def test_the_plan_never_cuts_a_whole_tensor_and_tiles_every_bucket():
     """Over buckets of one matrix, of mixed matrices and of element-wise tensors, for 1 to 7 ranks."""
     muon, adamw = torch.optim.Muon, torch.optim.AdamW
     buckets = [
-        Bucket(64, 4, [Member(0, 64, (8, 8), muon)]),
+        Bucket(64, 4, [BucketTensor(0, 64, (8, 8), muon)]),
         Bucket(
             200,
             4,
-            [Member(0, 100, (100,), adamw), Member(100, 24, (4, 6), muon), Member(128, 40, (5, 8), muon)],
+            [
+                BucketTensor(0, 100, (100,), adamw),
+                BucketTensor(100, 24, (4, 6), muon),
+                BucketTensor(128, 40, (5, 8), muon),
+            ],
         ),
-        Bucket(96, 4, [Member(0, 96, (96,), adamw)]),
+        Bucket(96, 4, [BucketTensor(0, 96, (96,), adamw)]),
     ]
     for world in (1, 2, 3, 4, 7):
         plan = plan_ownership(buckets, world)
@@ -432,7 +436,7 @@ def test_the_plan_never_cuts_a_whole_tensor_and_tiles_every_bucket():
 def test_buckets_of_one_matrix_each_spread_over_the_ranks_by_cost():
     """One matrix per bucket: each goes to the least loaded rank (not all to rank 0), largest cost first."""
     shapes = [(16, 16), (16, 16), (16, 4), (16, 4), (16, 16), (16, 4)]
-    buckets = [Bucket(m * n, 4, [Member(0, m * n, (m, n), torch.optim.Muon)]) for m, n in shapes]
+    buckets = [Bucket(m * n, 4, [BucketTensor(0, m * n, (m, n), torch.optim.Muon)]) for m, n in shapes]
     for world in (2, 3, 4):
         plan = plan_ownership(buckets, world)
         owners = [next(r for r, owner in enumerate(ranges) if owner) for ranges in plan.ranges]

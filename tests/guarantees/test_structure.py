@@ -12,7 +12,7 @@
 - a group's gradient has one owner (``_core/grad/``, one room, made with the group): a tensor's
   ``.grad`` slot is written in at most two modules, torch's autograd-engine internals are named in
   one, and reading a flat parameter's ``.grad`` looks no group up;
-- one meaning per name: no two modules share a file name.
+- one meaning per name: no two modules share a file name, no two classes a name.
 
 The checkers run on synthetic packages too (``test_the_checker_reports_every_kind_of_violation``,
 ``test_the_import_time_checker_reports_every_kind_of_action``), so these tests cannot pass by checking
@@ -719,6 +719,16 @@ def test_each_group_owns_its_gradient():
     groups = [core_of(storage).groups()[0], core_of(get_flat_storage(clone)).groups()[0]]
     assert all(g.grads is g.views.grads for g in groups)
     assert groups[0].grads is not groups[1].grads
+
+
+def test_no_two_classes_share_a_name():
+    """One meaning per name: a class that other modules may import is defined once in the package."""
+    defined: dict[str, list[str]] = {}
+    for name, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(name)
+    assert {cls: found for cls, found in defined.items() if len(found) > 1} == {}
 
 
 def test_no_two_modules_share_a_name():
