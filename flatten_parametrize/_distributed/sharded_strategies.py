@@ -253,9 +253,10 @@ class WholeTensors:
         """Return the plan over every sharded flat parameter (made once) and each one's bucket."""
         if self._plan is None or self._plan[0] != world:
             used = sorted({g for g, _ in self._classes if self._flats[g][1]})
+            members = {g: self._members(g) for g in used}
             buckets = buckets_of(
-                [(self._layouts[g].numel, self._flats[g][0], self._members(g)) for g in used],
-                [[self._classes.get((g, m[0])) for m in self._members(g)] for g in used],
+                [(self._layouts[g].numel, self._flats[g][0], members[g]) for g in used],
+                [[self._classes.get((g, m[0])) for m in members[g]] for g in used],
             )
             self._plan = (world, {g: b for b, g in enumerate(used)}, plan_ownership(buckets, world))
         return self._plan[1], self._plan[2]

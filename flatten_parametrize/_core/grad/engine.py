@@ -6,7 +6,8 @@ autograd engine: the id of the backward in progress, a callback at its end,
 the node it runs, whether it will run a node, the post-accumulate-grad
 hooks of a tensor, and a gradient hook put on a tensor without a handle. They
 are reached here only, so that a change of torch's private API is met in one
-module.
+module. Here too: whether a default process group exists, whose DDP may hook
+the leaves' accumulation (the owner and mixed precision's cast node both ask).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "process_group_exists",
     "current_node",
     "graph_task_id",
     "has_post_accumulate_grad_hooks",
     "hook_gradient",
+    "process_group_exists",
     "queue_callback",
     "run_post_accumulate_grad_hooks",
     "will_execute",
