@@ -1,11 +1,15 @@
 """The per-module classes the library injects, and the state each changed module carries.
 
-Like ``torch.nn.utils.parametrize``, every module that gets a flattened
-attribute is given a class of its own: a subclass of its original class with
-the same ``__name__``, holding one property per flattened attribute and the
-few ``nn.Module`` methods that must know about the flat storage (state-dict
-save/load, ``_apply``, ``__deepcopy__``). All of them read the module's own
-:class:`ModuleState`, so a class shared by two modules would still behave.
+Every module that gets a flattened attribute is given a subclass of its
+original class with the same ``__name__``, holding one property per flattened
+attribute and the few ``nn.Module`` methods that must know about the flat
+storage (state-dict save/load, ``_apply``, ``__deepcopy__``). All of them read
+the module's own :class:`ModuleState`, so modules of one class with the same
+flattened attributes share one such class (:func:`make_class`): code that runs
+one ``forward`` over many modules (the layers of a model) then sees one type
+where the plain model does, and keeps the speed of Python's per-type caches. A
+module that torch's ``parametrize`` gave a class of its own keeps a class of
+its own, as one that torch parametrizes later gets one (:func:`own_class`).
 
 The methods defined here are those of the state-dict and conversion paths; the
 whole set, these and those of the modules that own the other lifecycles
@@ -17,7 +21,7 @@ one table, :data:`.injected.METHODS`, which ``injected.assemble`` hands to
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,7 +39,6 @@ from .._state.state_dict import alias_unflattened, load_atomically, load_module,
 
 __all__ = [
     "Methods",
-    "add_property",
     "apply_in_flat_mode",
     "base_of",
     "clone_class",
@@ -45,6 +48,7 @@ __all__ = [
     "load_from_state_dict",
     "load_state_dict",
     "make_class",
+    "own_class",
     "prepare_scriptable",
     "register_parameter",
     "save_to_state_dict",
@@ -54,10 +58,10 @@ __all__ = [
 ]
 
 _MARKER = CLASS_MARKER
-#: Marks a class that :func:`make_class` shares between the registered modules of one class.
+#: Marks a class that :func:`make_class` shares between the modules of one class.
 _SHARED_MARKER = "_flat_parametrize_shared"
-#: The shared class of each original class (see :func:`make_class`).
-_SHARED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+#: The shared classes of each original class, by the flattened attributes they serve (see :func:`make_class`).
+_SHARED: weakref.WeakKeyDictionary[type, dict[frozenset[str], type]] = weakref.WeakKeyDictionary()
 
 
 def _super(module: nn.Module) -> Any:
@@ -277,36 +281,57 @@ def library_names() -> frozenset[str]:
     return frozenset((_MARKER, *methods.always, *methods.where_defined))
 
 
-def make_class(module: nn.Module, *, shared: bool = False) -> type:
-    """Return a class for ``module``: its own class plus the library's methods.
+def make_class(module: nn.Module, attrs: Iterable[str] = ()) -> type:
+    """Return a class for ``module``: its class plus the library's methods and a property per ``attrs``.
 
-    A module that ``torch.nn.utils.parametrize`` already gave a class keeps
-    that class's properties (a copy of it is made, since ``copy.deepcopy``
-    shares such classes between copies); ``__bases__[0]`` stays the original
-    class, so ``type_before_parametrizations`` keeps working.
+    Modules of one class that flatten the same attributes get the same class:
+    the properties and methods read each module's own state, so nothing in it
+    differs between them. Per-instance classes would cost every ``forward``
+    that runs over several of them (the layers of a model): Python's
+    attribute caches are per type, and 12 encoder layers of 12 types ran 3-5%
+    slower than the plain model, one type each as fast. Code that stacks
+    models of one architecture (``torch.func.stack_module_state``) also
+    requires ``type(a) is type(b)``.
 
-    With ``shared=True`` (a registered module that gets no flattened attribute
-    of its own, hence no property, and has no parametrization) every module of
-    one class gets the same class: it holds only the library's methods, which
-    read each module's own state, so nothing in it differs between them; and
-    code that stacks models of one architecture (``torch.func.stack_module_state``)
-    requires ``type(a) is type(b)``. A class that gets properties is never
-    shared: a property added to it later (``register_parametrization``) would
-    reach every module of that class.
+    A module that ``torch.nn.utils.parametrize`` already gave a class gets a
+    class of its own, a copy of that class's properties (``copy.deepcopy``
+    shares such classes between copies, and torch changes them);
+    ``__bases__[0]`` stays the original class, so
+    ``type_before_parametrizations`` keeps working.
     """
     cls = type(module)
-    if shared and not is_parametrized(module):
-        made = _SHARED.get(cls)
-        if made is None:
-            made = _SHARED[cls] = _new_class(module)
-            setattr(made, _SHARED_MARKER, True)
-        return made
-    return _new_class(module)
+    if is_parametrized(module):
+        made = _new_class(module)
+    else:
+        key = frozenset(attrs)
+        by_attrs = _SHARED.setdefault(cls, {})
+        made = by_attrs.get(key)  # type: ignore[assignment]
+        if made is not None:
+            return made
+        made = by_attrs[key] = _new_class(module)
+        setattr(made, _SHARED_MARKER, True)
+    for name in attrs:
+        setattr(made, name, make_property(name))
+    return made
 
 
 def is_shared(cls: type) -> bool:
     """Return whether ``cls`` is a class that :func:`make_class` shares (copies keep it)."""
     return bool(cls.__dict__.get(_SHARED_MARKER, False))
+
+
+def own_class(module: nn.Module) -> None:
+    """Give ``module`` a class of its own if it shares one, before outside code changes its class.
+
+    torch's ``register_parametrization`` adds a property to ``module.__class__``
+    (``parametrize._inject_property``): on a shared class it would reach every
+    module of that class.
+    """
+    cls = type(module)
+    if is_shared(cls):
+        own = clone_class(cls)
+        delattr(own, _SHARED_MARKER)
+        module.__class__ = own
 
 
 def _new_class(module: nn.Module) -> type:
@@ -328,9 +353,3 @@ def clone_class(cls: type) -> type:
     """Return a copy of an injected class (same bases, same attributes)."""
     namespace = {k: v for k, v in cls.__dict__.items() if k not in _SKIP}
     return type(cls.__name__, cls.__bases__, namespace)
-
-
-def add_property(cls: type, name: str) -> None:
-    """Serve attribute ``name`` of instances of ``cls`` from the flat storage."""
-    assert not is_shared(cls), "a shared class holds no property"
-    setattr(cls, name, make_property(name))

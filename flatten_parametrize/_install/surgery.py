@@ -32,7 +32,7 @@ from .._core.parametrize_interop import HiddenParametrizations, register_view
 from .._core.records import Coordinator, Group, ModuleState, Slot
 from .._core.transaction import Transaction
 from .._core.view_cache import end_trace_split, same_memory, trace_split
-from .module_classes import add_property, library_names, make_class
+from .module_classes import library_names, make_class
 
 __all__ = [
     "flatten_module",
@@ -203,17 +203,13 @@ def install(storage: Coordinator, tx: Transaction) -> None:
     groups, slots = storage.groups(), storage.slots()
     modules = _modules(root)
     owners: dict[int, nn.Module] = {id(root): root}
-    root_has_slots = False
+    attrs: dict[int, dict[str, None]] = {id(root): {}}  # each owner's flattened attributes, in order
     for slot in slots:
         for name in slot.all_names:
-            owner, _ = locate(modules, name)
+            owner, attr = locate(modules, name)
             owners.setdefault(id(owner), owner)
-            root_has_slots = root_has_slots or owner is root
-    # The registered module's class is shared by every registration of its class when it holds
-    # no property (models of one architecture stay of one class, for ensembling code).
-    classes = {
-        key: make_class(owner, shared=owner is root and not root_has_slots) for key, owner in owners.items()
-    }
+            attrs.setdefault(id(owner), {})[attr] = None
+    classes = {key: make_class(owner, attrs[key]) for key, owner in owners.items()}
     grads = _gather_grads(groups)
     for key, owner in owners.items():
         order = list(owner._parameters)
@@ -231,7 +227,6 @@ def install(storage: Coordinator, tx: Transaction) -> None:
             original = owner._parameters.pop(attr)
             assert original is not None
             register_view(owner, attr, views, slot.index, name, original, tx.on_undo)
-            add_property(type(owner), attr)
             state.slots[attr] = (views, slot.index)
     for group, grad in zip(groups, grads):
         root.register_parameter(group.flat_name, group.flat)

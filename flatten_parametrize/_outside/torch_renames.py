@@ -35,11 +35,13 @@ their module (a name imported from it before the package is not covered).
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
 from .._core.parametrize_interop import FlatViewList, HiddenParametrizations
+from .._install.module_classes import own_class
+from .on_import import is_ours, wrapper_of
 from .plain_calls import Methods, wrap_methods
 
 __all__ = ["METHODS", "patch"]
@@ -66,8 +68,26 @@ METHODS: Methods = {
 
 
 def patch(module: ModuleType) -> None:
-    """Wrap the methods of :data:`METHODS` in ``module``, once (a static or class method stays one)."""
+    """Wrap the methods of :data:`METHODS` in ``module``, once (a static or class method stays one).
+
+    In ``parametrize`` also wrap ``_inject_property``, which adds the property of a new
+    parametrization to ``module.__class__``: a module whose class the library shares
+    (``module_classes.make_class``) gets a class of its own first. That covers the
+    ``register_parametrization`` imported by name before the package, which runs on the
+    flattened module itself.
+    """
     wrap_methods(module, METHODS, {"register_parametrization": _refuse_on_a_view})
+    inject = getattr(module, "_inject_property", None)
+    if module.__name__ == "torch.nn.utils.parametrize" and callable(inject) and not is_ours(inject):
+        module._inject_property = _own_class_first(inject)  # type: ignore[attr-defined]
+
+
+def _own_class_first(inject: Callable[[nn.Module, str], None]) -> Callable[..., Any]:
+    def _inject_property(module: nn.Module, tensor_name: str) -> None:
+        own_class(module)
+        inject(module, tensor_name)
+
+    return wrapper_of(inject, _inject_property)
 
 
 def _refuse_on_a_view(module: nn.Module, tensor_name: str, *args: Any, **kwargs: Any) -> None:
