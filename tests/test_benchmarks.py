@@ -275,6 +275,30 @@ def test_zero_scale_quick_run_simulates_every_model_and_world_size(tmp_path: Pat
     assert "Verdicts: " in done.stdout and "FAILED" not in done.stdout
 
 
+def test_zero_scale_padding_bound_holds_for_any_layout_of_the_buckets() -> None:
+    """Buckets of one matrix each pad the one-buffer path fully, but another layout would not: NOT met.
+
+    Two equal matrices on 2 ranks: each bucket is one rank's alone (100% padding with these buckets),
+    while one bucket holding both would pad nothing, so the target is not impossible; one matrix on
+    2 ranks is (its bound, 100%, is shown).
+    """
+    sys.path.insert(0, str(ROOT))
+    try:
+        import torch
+
+        from benchmarks.bench_zero_scale import simulate, verdicts
+        from flatten_parametrize._distributed.sharded_strategies import buckets_of
+    finally:
+        sys.path.remove(str(ROOT))
+    matrix = (64, (8, 8))
+    two = buckets_of([(64, 4, [(0, 0, *matrix)]), (64, 4, [(1, 0, *matrix)])], [[torch.optim.Muon]] * 2)
+    row = simulate(two, 2)
+    assert row["padding"] == 1.0 and row["layout_padding_bound"] == 1.0 and row["padding_bound"] == 0.0
+    assert verdicts(row)["padding"] is False
+    one = simulate(two[:1], 2)
+    assert one["padding_bound"] == 1.0 and verdicts(one)["padding"] is None
+
+
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:
     """`bench_zero.py --collectives 2 --quick` prints one row per way of gathering and reducing slices."""
     done = _run(["benchmarks/bench_zero.py", "--quick", "--collectives", "2"], tmp_path)

@@ -170,19 +170,71 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
 def whole_bound(sizes: Sequence[float], world: int) -> float:
     """Return a lower bound of the most loaded rank's load when ``sizes`` are dealt whole to ``world`` ranks.
 
-    Among the ``k * world + 1`` largest, some rank holds ``k + 1``, each at least the
-    ``(k * world + 1)``-th largest: the bound is the largest ``(k + 1) * sizes[k * world]``
-    (sorted from the largest; ``k = 0``: the largest tensor).
+    The larger of two bounds. Pigeonhole: among the ``k * world + 1`` largest, some rank
+    holds ``k + 1``, each at least the ``(k * world + 1)``-th largest, so the largest
+    ``(k + 1) * sizes[k * world]`` (sorted from the largest; ``k = 0``: the largest
+    tensor). Cover: a rank's load is a sum of some of the sizes, and some rank holds at
+    least the mean, so the least such sum that reaches the mean (:func:`_least_sum_at_least`).
 
     Example:
         >>> whole_bound([80.0] * 96 + [30.0] * 64, 64)  # 96 equal matrices on 64 ranks: two share one
         160.0
+        >>> whole_bound([90.0] * 40 + [30.0] * 80, 64)  # mean 93.75: no sum of these lies in [93.75, 120)
+        120.0
     """
     ordered = sorted(sizes, reverse=True)
-    return max(
+    pigeonhole = max(
         ((k + 1) * ordered[k * world] for k in range(len(ordered) // world + 1) if k * world < len(ordered)),
         default=0.0,
     )
+    return max(pigeonhole, _least_sum_at_least(ordered, sum(ordered) / world))
+
+
+#: The most choices :func:`_least_sum_at_least` tries before it settles for its target (a valid bound).
+_COVER_BUDGET = 20_000
+
+
+def _least_sum_at_least(sizes: Sequence[float], target: float) -> float:
+    """Return the least sum of some of ``sizes`` (each used at most once) that is at least ``target``.
+
+    A search over how many of each distinct size to take, largest first, that stops at the first
+    sum reaching ``target`` on each path and drops paths that cannot beat the best; with more than
+    :data:`_COVER_BUDGET` choices it returns ``target`` itself (no sum is below it: still a bound).
+    """
+    counts: dict[float, int] = {}
+    for size in sizes:
+        if size > 0:
+            counts[size] = counts.get(size, 0) + 1
+    distinct = sorted(counts.items(), reverse=True)
+    if not distinct:
+        return max(target, 0.0)
+    left = [0.0] * (len(distinct) + 1)  # the total of the sizes from each distinct size on
+    for i in range(len(distinct) - 1, -1, -1):
+        left[i] = left[i + 1] + distinct[i][0] * distinct[i][1]
+    if left[0] < target:
+        return target
+    best = left[0]
+    tried = 0
+
+    def search(i: int, total: float) -> None:
+        nonlocal best, tried
+        size, count = distinct[i]
+        need = target - total
+        most = min(count, max(0, -(-need // size)))  # beyond it the sum only grows
+        for n in range(int(most), -1, -1):
+            tried += 1
+            if tried > _COVER_BUDGET:
+                return
+            reached = total + n * size
+            if reached >= best:
+                continue
+            if reached >= target:
+                best = reached
+            elif i + 1 < len(distinct) and reached + left[i + 1] >= target:
+                search(i + 1, reached)
+
+    search(0, 0.0)
+    return target if tried > _COVER_BUDGET else best
 
 
 def _side_by_side(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) -> None:
