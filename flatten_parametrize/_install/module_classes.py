@@ -299,19 +299,18 @@ def make_class(module: nn.Module, attrs: Iterable[str] = ()) -> type:
     ``__bases__[0]`` stays the original class, so
     ``type_before_parametrizations`` keeps working.
     """
-    cls = type(module)
-    if is_parametrized(module):
-        made = _new_class(module)
-    else:
-        key = frozenset(attrs)
-        by_attrs = _SHARED.setdefault(cls, {})
-        made = by_attrs.get(key)  # type: ignore[assignment]
-        if made is not None:
-            return made
-        made = by_attrs[key] = _new_class(module)
-        setattr(made, _SHARED_MARKER, True)
+    shared = not is_parametrized(module)
+    key = frozenset(attrs)
+    if shared:
+        known = _SHARED.get(type(module), {}).get(key)
+        if known is not None:
+            return known
+    made = _new_class(module)
     for name in attrs:
         setattr(made, name, make_property(name))
+    if shared:  # kept only once complete: a failure above leaves no half-made class behind
+        setattr(made, _SHARED_MARKER, True)
+        _SHARED.setdefault(type(module), {})[key] = made
     return made
 
 

@@ -48,6 +48,9 @@ from torch.nn.utils import parametrize
 
 import flatten_parametrize
 from flatten_parametrize import get_flat_storage, register_flat_storage, remove_flat_storage
+from flatten_parametrize._core.flat_parameter import FlatParameter
+from flatten_parametrize._guards import decay_check
+from flatten_parametrize._install import module_classes
 
 from _helpers import assert_plain, assert_unchanged, snapshot
 
@@ -567,7 +570,7 @@ def _try_fault(
     name: str, fault: Callable[[], Any], reached: Callable[[Any], bool], reference: dict[str, Any]
 ) -> str | None:
     """Run scenario ``name`` with one fault; return a description of what went wrong, if anything."""
-    model, op = SCENARIOS[name]()
+    model, op = _fresh(name)
     was_plain = get_flat_storage(model) is None
     before = snapshot(model)
     output = _bits(_output(model))
@@ -608,8 +611,22 @@ def _try_fault(
     return None
 
 
+def _fresh(name: str) -> tuple[nn.Module, Callable[[], Any]]:
+    """Build scenario ``name`` from the same process state each time.
+
+    The library keeps two things per process: the classes it shares between modules of one
+    class (``_install/module_classes.make_class``, made by the first registration of each) and
+    the optimizer check it installs once (``_guards/decay_check.watch_optimizers``). Each run
+    starts with no shared class and the check installed, so that every run makes the same calls
+    whatever ran before it, and the making of each class is tried with a fault too.
+    """
+    module_classes._SHARED.clear()
+    decay_check.watch_optimizers(FlatParameter)
+    return SCENARIOS[name]()
+
+
 def _clean_run(name: str, counting: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
-    model, op = SCENARIOS[name]()
+    model, op = _fresh(name)
     # What _try_fault does before the operation: the view cache remembers which grad mode
     # read last (a read in another one scans for `.data` writes), so the counts depend on it.
     snapshot(model)
