@@ -18,13 +18,24 @@ AdamW on the rest (embeddings, heads, norms, biases). Per model and world size `
 * ``state``, ``grads``, ``cost``: the largest rank over the mean: optimizer state bytes, ZeRO-2 gradient
   bytes, optimizer flops (``sharded_costs.py``); ``bound``: the least the largest rank can be over the
   mean, ``max(mean, whole-tensor bound) / mean``;
-* ``padding``: what NCCL's one-buffer path (``W`` slots of the largest owner's share per bucket) would add
-  to the buckets, and its bound under any layout of the buckets: ``grads`` bound - 1 (a one-buffer
-  collective pads each bucket to ``W`` times its largest share, and the sum over buckets of the largest
-  shares is at least the largest rank's total); ``layout_padding_bound`` (not printed):
-  ``W * max(largest tensor, n / W) - n`` summed over today's buckets;
-* ``bytes``: bytes moved per step over element-wise ZeRO-2's (each bucket takes the one-buffer path where
-  it pads by at most 5%, else moves each owner's ranges on their own, as ``sharded_collectives.py``);
+The plan is the one NCCL's one-buffer collectives get (``plan_ownership(..., max_padding=0.05)``): its
+**units** are runs of buckets that move as one ``reduce_scatter`` / ``all_gather`` (each rank's share of
+a unit in one slot), laid out so that a unit's shares are even; a unit holds at most ``UNIT_BUDGET`` (4)
+times a rank's mean share (with ZeRO-2 its full gradients wait for its last bucket), and the layout is
+taken only where it keeps the state and cost as balanced as the layout by owner (within 1%, or 5% of
+the mean). Per model and world size ``W``, the columns:
+
+* ``state``, ``grads``, ``cost``: the largest rank over the mean: optimizer state bytes, ZeRO-2 gradient
+  bytes, optimizer flops (``sharded_costs.py``); ``bound``: the least the largest rank can be over the
+  mean, ``max(mean, whole-tensor bound) / mean``;
+* ``padding``: what the one-buffer path (``W`` slots of the largest share per unit) would add to the
+  elements if every unit took it, and its bound under any layout: ``grads`` bound - 1 (the sum over
+  units of the largest shares is at least the largest rank's total); ``layout_padding_bound`` (not
+  printed): ``W * max(largest tensor, n / W) - n`` summed over today's buckets;
+* ``by owner``: the share of the elements in units that pad more than 5% (they move each owner's
+  ranges on their own: no padding, more collectives); ``unit``: the largest unit of several buckets,
+  over a rank's mean share (what ZeRO-2 holds in full before it reduces);
+* ``bytes``: bytes moved per step over element-wise ZeRO-2's (as ``sharded_collectives.py``);
 * ``collectives``: per step, ours and element-wise ZeRO-2's.
 
 Targets (the issue's): state and cost max/mean <= 1.05 or within 2% of the bound; bytes <= 1.05x
@@ -176,28 +187,35 @@ def buckets_for(model: Any) -> list[Any]:
 
 def simulate(buckets: Sequence[Any], world: int) -> dict[str, Any]:
     """Run the library's ownership plan for ``world`` ranks and return the figures of one row."""
-    from flatten_parametrize._distributed.sharded_collectives import one_buffer
+    from flatten_parametrize._distributed.sharded_collectives import MAX_PADDING, one_buffer
     from flatten_parametrize._distributed.sharded_plan import plan_ownership
     from flatten_parametrize._distributed.sharded_rules import cuttable
 
-    plan = plan_ownership(buckets, world)
-    padding = layout_padding = ours = elementwise = 0
+    plan = plan_ownership(buckets, world, MAX_PADDING)
+    padding = layout_padding = ours = elementwise = by_owner = unit = 0
     collectives = 0
     total = sum(b.numel for b in buckets)
-    for bucket, ranges in zip(buckets, plan.ranges):
+    for bucket in buckets:
         n = bucket.numel
-        chunk = max(sum(hi - lo for lo, hi in owner) for owner in ranges)
         whole = [m.numel for m in bucket.members if m.optimizer_class and not cuttable(m.optimizer_class)]
-        largest = max(whole, default=0)
-        padding += world * chunk - n
-        layout_padding += max(0, world * max(largest, math.ceil(n / world)) - n)
+        layout_padding += max(0, world * max(max(whole, default=0), math.ceil(n / world)) - n)
         elementwise += 2 * world * math.ceil(n / world) * bucket.itemsize
+    for first, stop in plan.units:
+        n = sum(bucket.numel for bucket in buckets[first:stop])
+        itemsize = buckets[first].itemsize
+        chunk = max(
+            sum(hi - lo for ranges in plan.ranges[first:stop] for lo, hi in ranges[r]) for r in range(world)
+        )
+        padding += world * chunk - n
+        if stop - first > 1:
+            unit = max(unit, n)
         if one_buffer(chunk, n, world):
-            ours += 2 * world * chunk * bucket.itemsize
+            ours += 2 * world * chunk * itemsize
             collectives += 2
         else:
-            ours += 2 * n * bucket.itemsize
-            collectives += 2 * sum(len(owner) for owner in ranges)
+            by_owner += n
+            ours += 2 * n * itemsize
+            collectives += 2 * sum(len(owner) for ranges in plan.ranges[first:stop] for owner in ranges)
 
     def over_mean(values: Sequence[float], bound: float) -> tuple[float, float]:
         mean = sum(values) / world
@@ -217,6 +235,8 @@ def simulate(buckets: Sequence[Any], world: int) -> dict[str, Any]:
         # Any layout: the buckets' largest shares add up to at least the largest rank's gradient.
         "padding_bound": max(0.0, grads_bound - 1),
         "layout_padding_bound": layout_padding / total,
+        "by_owner": by_owner / total,
+        "unit": unit * world / total,
         "bytes": ours / elementwise,
         "collectives": collectives,
         "collectives_elementwise": 2 * len(buckets),
@@ -273,7 +293,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     table = Table(
         "Ownership by whole tensors: Muon on hidden matrices, AdamW on the rest, 25 MiB float32 buckets "
         "(largest rank / mean; bound in brackets)",
-        ["model", "W", "state", "grads", "cost", "padding", "bytes", "collectives", "state/rank", "targets"],
+        [
+            "model",
+            "W",
+            "state",
+            "grads",
+            "cost",
+            "padding",
+            "by owner",
+            "unit",
+            "bytes",
+            "collectives",
+            "state/rank",
+            "targets",
+        ],
     )
     results: dict[tuple[str, int], dict[str, Any]] = {}
     counts = {"met": 0, "NOT met": 0, "bound": 0}
@@ -296,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"{row['grads']:.3f} [{row['grads_bound']:.3f}]",
                 f"{row['cost']:.3f} [{row['cost_bound']:.3f}]",
                 f"{row['padding']:.1%} [{row['padding_bound']:.1%}]",
+                f"{row['by_owner']:.1%}",
+                f"{row['unit']:.2f}" if row["unit"] else "-",
                 f"{row['bytes']:.3f}",
                 f"{row['collectives']} ({row['collectives_elementwise']})",
                 f"{row['state_per_rank'] / 2**20:.1f} MiB",
@@ -304,9 +339,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     table.notes += [
         "state, grads, cost: the largest rank over the mean, [the bound over the mean: the mean, or, if "
         "larger, some rank's k + 1 of the k W + 1 largest whole tensors (k = 0: the largest)]. padding: "
-        "what NCCL's one-buffer path (W slots of the largest owner's share, per bucket) adds "
-        "to the buckets, [its bound under any layout of the buckets: the grads bound - 1]; the library "
-        "takes it only for buckets it pads by at most 5%, the others move by owner. bytes: moved per step "
+        "what NCCL's one-buffer path (W slots of the largest share, per unit of buckets) would add "
+        "if every unit took it, [its bound under any layout: the grads bound - 1]; the library takes it "
+        "only for units it pads by at most 5%, the others (by owner: their share of the elements) move "
+        "each owner's ranges on their own. unit: the largest unit of several buckets over a rank's mean "
+        "share (with ZeRO-2 its full gradients wait for its last bucket; at most 4). bytes: moved per step "
         "over element-wise ZeRO-2's. collectives: per step, ours (element-wise ZeRO-2's). targets: met, "
         "NOT met, or bound (no ownership of whole tensors, or for padding no layout of the buckets, "
         "reaches the target; the bound is shown).",

@@ -14,9 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -544,3 +545,26 @@ def launch_results(launch: dict[str, Any], name: str) -> list[Any]:
     if not all(path.exists() for path in paths):
         pytest.fail(f"scenario {name!r} left no result on every rank; the launch said:\n{launch['failure']}")
     return [torch.load(path, weights_only=False) for path in paths]
+
+
+@contextlib.contextmanager
+def one_buffer_collectives() -> Iterator[None]:
+    """NCCL's path on gloo: a ``ShardedOptimizer`` built inside takes one padded buffer where it pads little.
+
+    Its collectives are told at construction that the backend is one of one-buffer collectives, so the
+    whole-tensor plan is laid out for them (units of buckets); gloo runs ``reduce_scatter`` and
+    ``all_gather`` too.
+    """
+    from flatten_parametrize._distributed.sharded_collectives import Collectives
+
+    init = Collectives.__init__
+
+    def forced(self: Collectives, *args: Any) -> None:
+        init(self, *args)
+        self.by_owner = False
+
+    Collectives.__init__ = forced  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Collectives.__init__ = init  # type: ignore[method-assign]

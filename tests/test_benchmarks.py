@@ -275,12 +275,12 @@ def test_zero_scale_quick_run_simulates_every_model_and_world_size(tmp_path: Pat
     assert "Verdicts: " in done.stdout and "FAILED" not in done.stdout
 
 
-def test_zero_scale_padding_bound_holds_for_any_layout_of_the_buckets() -> None:
-    """Buckets of one matrix each pad the one-buffer path fully, but another layout would not: NOT met.
+def test_zero_scale_moves_buckets_of_one_matrix_in_units_and_shows_the_bound_where_none_can() -> None:
+    """Two equal matrices on 2 ranks, each its own bucket: one unit, no padding; one matrix: its bound.
 
-    Two equal matrices on 2 ranks: each bucket is one rank's alone (100% padding with these buckets),
-    while one bucket holding both would pad nothing, so the target is not impossible; one matrix on
-    2 ranks is (its bound, 100%, is shown).
+    Alone, each bucket would be one rank's (100% padding); the plan laid out for one buffer moves both
+    in one unit, each rank's matrix in its slot (met). One matrix on 2 ranks pads 100% under any
+    layout: its bound is shown (``None``), and an unmet row is NOT met.
     """
     sys.path.insert(0, str(ROOT))
     try:
@@ -293,10 +293,12 @@ def test_zero_scale_padding_bound_holds_for_any_layout_of_the_buckets() -> None:
     matrix = (64, (8, 8))
     two = buckets_of([(64, 4, [(0, 0, *matrix)]), (64, 4, [(1, 0, *matrix)])], [[torch.optim.Muon]] * 2)
     row = simulate(two, 2)
-    assert row["padding"] == 1.0 and row["layout_padding_bound"] == 1.0 and row["padding_bound"] == 0.0
-    assert verdicts(row)["padding"] is False
+    assert row["padding"] == 0.0 and row["by_owner"] == 0.0 and row["unit"] == 2.0  # both ranks' shares
+    assert row["layout_padding_bound"] == 1.0 and row["padding_bound"] == 0.0
+    assert verdicts(row)["padding"] is True and row["collectives"] == 2
     one = simulate(two[:1], 2)
     assert one["padding_bound"] == 1.0 and verdicts(one)["padding"] is None
+    assert verdicts({**row, "padding": 0.5})["padding"] is False
 
 
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:

@@ -201,8 +201,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._optimizer_class, self._optimizer_kwargs = optimizer_class, dict(optimizer_kwargs)
         #: The process group and every collective over it.
         self._comm = Collectives(pg, world)
-        #: This rank's shards, in core order (the order collectives start in).
-        self._ownership = Partition(strategy, world, self._comm.rank)
+        #: This rank's shards, in core order (the order collectives start in), and which move together.
+        self._ownership = Partition(strategy, world, self._comm.rank, self._comm.max_padding)
         self._ownership.add(core.flat_params, used)
         #: The gradients as the model shows them (ZeRO-2: placeholders of the shards), settled before
         #: each update.
@@ -248,7 +248,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _call_inner(self, name: str, *args: Any, **kwargs: Any) -> Any:
         self._follow(strict=True)  # the slices hold the flat buffers' values (a load wrote them)
         result = self._local.call(name, self.param_groups, *args, **kwargs)
-        self._comm.gather_slices(self._ownership.shards)
+        self._comm.gather_slices(self._ownership.units)
         self._link_state()
         return result
 
@@ -384,7 +384,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._follow(strict=True)
         self._grads.before_update()  # what was cleared or scaled through the model's parameters
         self._local.step(self.param_groups)
-        self._comm.gather_slices(self._ownership.shards)
+        self._comm.gather_slices(self._ownership.units)
         self._link_state()
         return loss
 

@@ -19,7 +19,9 @@ bucket): each owner's range is copied to a place of ``chunk`` elements (the
 largest range) of one padded buffer, so a bucket is one ``reduce_scatter``
 and one ``all_gather``, at the cost of one copy of the bucket each way; a
 bucket whose ranges differ more moves by owner, so that the bytes moved stay
-within that fraction of element-wise ZeRO-2's.
+within that fraction of element-wise ZeRO-2's. Where the ownership was laid
+out for it (``Partition.units``), a **unit** of several buckets moves as one:
+each rank's ranges of all of them packed into one slot of one padded buffer.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from .shard import Shard
 
-__all__ = ["Collectives", "Works", "all_gather", "one_buffer", "reduce_scatter"]
+__all__ = ["Collectives", "UnitWorks", "Works", "all_gather", "one_buffer", "reduce_scatter", "unit_chunk"]
 
 #: The one-buffer collectives (newer torch names them ``*_single``).
 all_gather: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,6 +49,10 @@ MAX_PADDING = 0.05
 
 #: The handles of the collectives in flight for one flat gradient, and what gives its result after them.
 Works = tuple[list[Any], Callable[[], Tensor]]
+
+#: The handles of the collectives in flight for a unit's gradients, what gives each shard's result after
+#: them, and what they read (kept alive until then).
+UnitWorks = tuple[list[Any], Callable[[], list[Tensor]], list[Tensor]]
 
 
 def one_buffer(chunk: int, numel: int, world: int) -> bool:
@@ -63,6 +69,20 @@ def one_buffer(chunk: int, numel: int, world: int) -> bool:
         True
     """
     return chunk * world - numel <= max(MAX_PADDING * numel, world - 1)
+
+
+def unit_chunk(unit: Sequence[Shard], world: int) -> int:
+    """Return the most elements one rank owns of a unit's shards: its slot in one padded buffer.
+
+    Example:
+        >>> from flatten_parametrize._distributed.shard import Shard
+        >>> import torch
+        >>> a = Shard(0, torch.zeros(4), 0, [[(0, 4)], []], [])
+        >>> b = Shard(1, torch.zeros(6), 0, [[(0, 1)], [(1, 6)]], [])
+        >>> unit_chunk([a, b], 2)  # rank 0: 4 + 1, rank 1: 5
+        5
+    """
+    return max(sum(b - a for shard in unit for a, b in shard.ranges[r]) for r in range(world))
 
 
 class Collectives:
@@ -86,9 +106,23 @@ class Collectives:
         #: Move slices with one broadcast / reduce per owner (fastest on gloo), not one padded buffer (NCCL).
         self.by_owner = not self.nccl
 
+    @property
+    def max_padding(self) -> float | None:
+        """Return the padding up to which uneven ranges take one buffer (``None``: they move by owner)."""
+        return None if self.by_owner else MAX_PADDING
+
     def by_owner_for(self, shard: Shard) -> bool:
         """Return whether ``shard``'s ranges move one owner at a time (else: one padded buffer)."""
         return self.by_owner or not one_buffer(shard.chunk, shard.numel, self.world)
+
+    def one_buffer_for(self, unit: Sequence[Shard]) -> bool:
+        """Return whether a unit of several shards moves in one padded buffer (else: each on its own)."""
+        return (
+            len(unit) > 1
+            and not self.by_owner
+            and len({(s.dtype, s.device) for s in unit}) == 1
+            and one_buffer(unit_chunk(unit, self.world), sum(s.numel for s in unit), self.world)
+        )
 
     def device(self, flats: Sequence[Tensor]) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""
@@ -135,22 +169,53 @@ class Collectives:
             ]
             return works, lambda: shard.pack(grad)
         out = grad.new_empty(shard.chunk)
-        return [reduce_scatter(out, self._spread(shard, grad), group=pg, async_op=True)], lambda: out
+        return [reduce_scatter(out, self._spread([shard], [grad]), group=pg, async_op=True)], lambda: out
 
-    def _spread(self, shard: Shard, values: Tensor) -> Tensor:
-        """Return ``values`` in one buffer of ``chunk`` elements per rank, each owner's ranges first."""
-        chunk, world = shard.chunk, self.world
-        if shard.aligned:  # each owner's range is already at its slot: pad the end
-            if values.numel() == chunk * world:
-                return values
-            return torch.cat([values, values.new_zeros(chunk * world - values.numel())])
-        out = values.new_zeros(chunk * world)
+    def reduce_unit(self, unit: Sequence[Shard], grads: Sequence[Tensor]) -> UnitWorks:
+        """Start summing each owner's ranges of a unit's gradients on that owner (ZeRO-2).
+
+        Returns:
+            The handles, what gives this rank's summed ranges of each shard, and the buffer they read.
+        """
+        if not self.one_buffer_for(unit) or len({g.dtype for g in grads}) > 1:
+            started = [self.reduce_to_owners(shard, grad) for shard, grad in zip(unit, grads)]
+            works = [work for handles, _ in started for work in handles]
+            return works, lambda: [result() for _, result in started], list(grads)
+        sent = self._spread(unit, grads)
+        out = sent.new_empty(sent.numel() // self.world)
+        work = reduce_scatter(out, sent, group=self.group, async_op=True)
+
+        def result() -> list[Tensor]:
+            parts, at = [], 0
+            for shard in unit:
+                parts.append(out[at : at + shard.owned])
+                at += shard.owned
+            return parts
+
+        return [work], result, [sent]
+
+    def _spread(self, unit: Sequence[Shard], values: Sequence[Tensor]) -> Tensor:
+        """Return the ``values`` of a unit's shards in one buffer, a slot per rank, each owner's ranges first.
+
+        A slot holds the most any rank owns of the unit (:func:`unit_chunk`); ZeRO's equal slices of one
+        shard are already in place (padded at the end, if at all).
+        """
+        world, chunk = self.world, unit_chunk(unit, self.world)
+        if len(unit) == 1 and unit[0].aligned:  # each owner's range is already at its slot: pad the end
+            (value,) = values
+            if value.numel() == chunk * world:
+                return value
+            return torch.cat([value, value.new_zeros(chunk * world - value.numel())])
+        pieces: list[Tensor] = []
         for owner in range(world):
-            at = owner * chunk
-            for lo, hi in shard.ranges[owner]:
-                out[at : at + hi - lo].copy_(values[lo:hi])
-                at += hi - lo
-        return out
+            taken = 0
+            for shard, value in zip(unit, values):
+                for lo, hi in shard.ranges[owner]:
+                    pieces.append(value[lo:hi])
+                    taken += hi - lo
+            if chunk > taken:
+                pieces.append(values[0].new_zeros(chunk - taken))
+        return torch.cat(pieces)
 
     def gather_ranges(self, shard: Shard, full: Tensor) -> list[Any]:
         """Start filling every owner's ranges of ``full`` (shaped like the flat buffer) from that owner.
@@ -174,18 +239,35 @@ class Collectives:
         if shard.aligned and full.numel() == chunk * world and full.is_contiguous():
             lo = shard.rank * chunk
             return [([all_gather(full, full[lo : lo + chunk], group=pg, async_op=True)], None)]
-        mine = full.new_zeros(chunk)
-        mine[: shard.owned].copy_(shard.pack(full))
-        out = full.new_empty(chunk * world)
+        return self._gather_packed([shard], [full])
+
+    def gather_unit(self, unit: Sequence[Shard], fulls: Sequence[Tensor]) -> list[Any]:
+        """Start filling every owner's ranges of a unit's ``fulls`` (as :meth:`gather_ranges`, one buffer).
+
+        Returns:
+            The handles, and the copies to run after them (see :meth:`finish`).
+        """
+        if not self.one_buffer_for(unit):
+            return [part for shard, full in zip(unit, fulls) for part in self.gather_ranges(shard, full)]
+        return self._gather_packed(unit, fulls)
+
+    def _gather_packed(self, unit: Sequence[Shard], fulls: Sequence[Tensor]) -> list[Any]:
+        """Start one ``all_gather`` of each rank's ranges of the unit's ``fulls``, packed in its slot."""
+        world, chunk = self.world, unit_chunk(unit, self.world)
+        mine = torch.cat([shard.pack(full) for shard, full in zip(unit, fulls)])
+        if mine.numel() < chunk:
+            mine = torch.cat([mine, mine.new_zeros(chunk - mine.numel())])
+        out = mine.new_empty(chunk * world)
 
         def unpack() -> None:
             for owner in range(world):
                 at = owner * chunk
-                for lo, hi in shard.ranges[owner]:
-                    full[lo:hi].copy_(out[at : at + hi - lo])
-                    at += hi - lo
+                for shard, full in zip(unit, fulls):
+                    for lo, hi in shard.ranges[owner]:
+                        full[lo:hi].copy_(out[at : at + hi - lo])
+                        at += hi - lo
 
-        return [([all_gather(out, mine, group=pg, async_op=True)], unpack)]
+        return [([all_gather(out, mine, group=self.group, async_op=True)], unpack)]
 
     @staticmethod
     def finish(started: list[Any]) -> None:
@@ -197,13 +279,16 @@ class Collectives:
             if after is not None:
                 after()
 
-    def gather_slices(self, shards: Sequence[Shard]) -> None:
-        """Copy every owner's updated ranges into every rank's flat buffers."""
+    def gather_slices(self, units: Sequence[Sequence[Shard]]) -> None:
+        """Copy every owner's updated ranges into every rank's flat buffers (``units``: what moves as one)."""
         with torch.no_grad():
-            started = [part for shard in shards for part in self.gather_ranges(shard, shard.flat.detach())]
+            started = [
+                part for unit in units for part in self.gather_unit(unit, [s.flat.detach() for s in unit])
+            ]
             self.finish(started)
-            for shard in shards:
-                torch.autograd.graph.increment_version(shard.flat)
+            for unit in units:
+                for shard in unit:
+                    torch.autograd.graph.increment_version(shard.flat)
 
     def total_norm(self, local: Tensor, p: float, device: torch.device) -> Tensor:
         """Return the p-norm over all ranks from this rank's part (its max for ``inf``, else a p-th power)."""

@@ -3,8 +3,9 @@
 A :class:`Partition` holds this rank's :class:`~.shard.Shard` of every flat
 parameter the optimizer shards, in the storage's group order (the order every
 rank starts its collectives in), made by the optimizer's ownership rule
-(``sharded_strategies.py``); it follows flat parameters that ``module.to()``
-and the like replaced or moved to other memory.
+(``sharded_strategies.py``), and its **units**: the shards that move together
+in one padded buffer (the rule's choice; most move alone); it follows flat
+parameters that ``module.to()`` and the like replaced or moved to other memory.
 """
 
 from __future__ import annotations
@@ -26,18 +27,27 @@ class Partition:
         strategy: the ownership rule.
         world: the number of ranks.
         rank: this rank.
+        max_padding: the collectives take one padded buffer where it pads at most this fraction
+            (``None``: each owner's ranges move on their own); the rule lays the ownership out for it.
     """
 
-    def __init__(self, strategy: Strategy, world: int, rank: int) -> None:
+    def __init__(self, strategy: Strategy, world: int, rank: int, max_padding: float | None) -> None:
         self.world = world
         self.rank = rank
+        self.max_padding = max_padding
         self._strategy = strategy
         self._shards: list[Shard] = []
+        self._units: list[list[Shard]] = []
 
     @property
     def shards(self) -> Sequence[Shard]:
         """This rank's shards, in the storage's group order."""
         return self._shards
+
+    @property
+    def units(self) -> Sequence[Sequence[Shard]]:
+        """The shards that move together (one padded buffer, where it pads little), in order."""
+        return self._units
 
     def shard_of(self, flat: Tensor) -> Shard | None:
         """Return this rank's shard of ``flat`` (``None``: not sharded here)."""
@@ -57,9 +67,18 @@ class Partition:
         new = []
         for g, flat in enumerate(flat_params):
             if flat.requires_grad and any(flat is f for f in flats) and self.shard_of(flat) is None:
-                ranges = self._strategy.ranges(g, flat.numel(), self.world)
+                ranges = self._strategy.ranges(g, flat.numel(), self.world, self.max_padding)
                 new.append(Shard(g, flat, self.rank, ranges, self._strategy.pieces(g, ranges[self.rank])))
         self._shards = sorted(self._shards + new, key=lambda s: s.g)
+        units = self._strategy.units(self.world, self.max_padding)
+        together = {g: i for i, unit in enumerate(units) for g in unit}
+        self._units = []
+        for shard in self._shards:
+            unit = together.get(shard.g)
+            if unit is not None and self._units and together.get(self._units[-1][0].g) == unit:
+                self._units[-1].append(shard)
+            else:
+                self._units.append([shard])
 
     def bind(self) -> None:
         """Point every shard's pieces at their flat buffer's current memory."""

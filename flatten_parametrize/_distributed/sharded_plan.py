@@ -23,23 +23,62 @@ The rule:
 3. Padding between members goes to the owner of the elements before it, and
    adjacent ranges of one owner merge: a rank's part of a bucket is as few ranges
    as this ownership allows.
+
+Laid out for one-buffer collectives (``max_padding``, NCCL's path): a bucket of
+one matrix would pad its buffer ``W`` times, so the buckets move in **units**,
+runs of consecutive buckets that share one ``reduce_scatter`` and one
+``all_gather`` (each rank's share of a unit packed into one slot). Rule 1's
+owners of equal tensors are dealt in layout order, each to the rank with the
+fewest elements so far (instead of side by side), a unit closes at the first
+bucket where its ranks' shares are even to within ``max_padding`` (a bucket
+that starts none joins the unit before it where that still evens out), and
+rule 2's cut levels the state unit by unit, no rank's share of a unit above
+what ``max_padding`` allows. A unit holds at most :data:`UNIT_BUDGET` rank
+shares (with ZeRO-2 its full gradients wait for its last bucket). The layout
+is kept only where it balances the state and cost about as well as the layout
+by owner (:func:`_as_balanced`); else that one is returned.
 """
 
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Callable, NamedTuple
 
 from .sharded_costs import state_numel, step_cost
 from .sharded_rules import cuttable
 
-__all__ = ["SMALL_RUN", "Bucket", "BucketTensor", "Plan", "plan_ownership", "whole_bound"]
+__all__ = [
+    "BALANCE",
+    "SMALL_RUN",
+    "UNIT_BUDGET",
+    "Bucket",
+    "BucketTensor",
+    "Plan",
+    "plan_ownership",
+    "whole_bound",
+]
 
 #: A run of element-wise tensors whose state is under this fraction of a rank's mean goes whole to a
 #: neighbour's owner (one range fewer per run; the rest balances it).
 SMALL_RUN = 0.01
+
+#: Laid out for one-buffer collectives, a unit of several buckets holds at most this many times a
+#: rank's mean share of the elements (with ZeRO-2 its full gradients wait for its last bucket).
+UNIT_BUDGET = 4
+
+#: Units are laid out for this fraction of the padding allowed (the rest covers rounding and gaps).
+_MARGIN = 0.9
+
+#: Laid out for one buffer, the most loaded rank's cost and state may exceed what the layout by owner
+#: gives them by this fraction (or, where every unit moves in one buffer, the mean by :data:`BALANCE`);
+#: past it, the layout by owner is taken.
+_LEEWAY = 0.01
+
+#: The balance every layout keeps where it can: the most loaded rank within this fraction of the mean.
+BALANCE = 0.05
 
 
 class BucketTensor(NamedTuple):
@@ -61,6 +100,8 @@ class Bucket(NamedTuple):
     numel: int
     itemsize: int
     members: Sequence[BucketTensor]
+    #: What two buckets must share to move in one buffer (their dtype and device; ``None``: anything).
+    kind: Hashable = None
 
 
 class Plan(NamedTuple):
@@ -77,6 +118,9 @@ class Plan(NamedTuple):
     #: The least the most loaded rank can hold under whole tensors (cost, state bytes, gradient bytes):
     #: the mean, or :func:`whole_bound` of the whole tensors, whichever is larger.
     bound: tuple[float, float, float]
+    #: The buckets that move together, ``(first, stop)`` spans in order: one bucket each, or laid out
+    #: for one-buffer collectives, runs whose shares are even (see the module's docstring).
+    units: list[tuple[int, int]]
 
 
 class _Part(NamedTuple):
@@ -98,15 +142,22 @@ def _part(b: int, itemsize: int, member: BucketTensor) -> _Part:
     return _Part(b, member.offset, member.numel, cost, state, itemsize, not cuttable(cls))
 
 
-def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
+#: What a cut of element-wise parts levels: a part's weight per element.
+_PerElement = Callable[[_Part], float]
+
+
+def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | None = None) -> Plan:
     """Return who owns which elements of every bucket (see the module's rule).
 
     Args:
         buckets: the flat buffers to shard, in the order collectives start in.
         world: the number of ranks.
+        max_padding: lay the ownership out for one-buffer collectives: units of buckets whose ranks'
+            shares are even to within this fraction of the unit (``None``: each bucket moves on its own,
+            each owner's ranges as few as possible).
 
     Returns:
-        The plan: each rank's ranges of each bucket and its cost, state and gradient bytes.
+        The plan: each rank's ranges of each bucket, its cost, state and gradient bytes, the units.
 
     Example:
         >>> import torch
@@ -114,6 +165,8 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
         >>> plan = plan_ownership([Bucket(64, 4, one), Bucket(64, 4, one)], 2)
         >>> plan.ranges  # one matrix per bucket, one bucket per rank
         [[[(0, 64)], []], [[], [(0, 64)]]]
+        >>> plan_ownership([Bucket(64, 4, one), Bucket(64, 4, one)], 2, max_padding=0.05).units
+        [(0, 2)]
     """
     parts = [
         _part(b, bucket.itemsize, m) for b, bucket in enumerate(buckets) for m in bucket.members if m.numel
@@ -132,19 +185,19 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
     # 1. whole tensors: largest cost first, to the least loaded rank
     heap = [(0.0, 0.0, r) for r in range(world)]
     whole: dict[tuple[int, int], int] = {}
-    for part in sorted((p for p in parts if p.atomic), key=lambda p: (-p.cost, -p.state, p.bucket, p.offset)):
+    atomic = [p for p in parts if p.atomic]
+    for part in sorted(atomic, key=lambda p: (-p.cost, -p.state, p.bucket, p.offset)):
         _, _, rank = heapq.heappop(heap)
         give(part, part.offset, part.offset + part.numel, rank)
         whole[part.bucket, part.offset] = rank
         heapq.heappush(heap, (cost[rank], state[rank], rank))
-    _side_by_side([p for p in parts if p.atomic], whole)
+    (_side_by_side if max_padding is None else _interleaved)(atomic, whole)
     owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
-    # 2. element-wise runs: small ones to a neighbour's owner, the others to one common level of state
+    # 2. element-wise runs: small ones to a neighbour's owner, the others cut to level the loads
     mean = sum(p.state for p in parts) / world
     offsets: dict[int, list[int]] = {}
-    for part in parts:
-        if part.atomic:
-            offsets.setdefault(part.bucket, []).append(part.offset)
+    for part in atomic:
+        offsets.setdefault(part.bucket, []).append(part.offset)
     large: list[_Part] = []
     for run in _runs(parts):
         neighbour = _neighbour(run, offsets, whole)
@@ -153,18 +206,192 @@ def plan_ownership(buckets: Sequence[Bucket], world: int) -> Plan:
                 give(part, part.offset, part.offset + part.numel, neighbour)
         else:
             large += run
-    _fill(large, state, give)
-    ranges = [
-        _ranges(bucket.numel, [(s, e, r) for p, s, e, r in owned if p.bucket == b], world)
-        for b, bucket in enumerate(buckets)
-    ]
-    atomic = [p for p in parts if p.atomic]
+    if max_padding is None:
+        _fill(large, state, lambda p: p.state / p.numel, give)
+        units = [(b, b + 1) for b in range(len(buckets))]
+    else:
+        laid = _cut_in_units(buckets, owned, large, state, max_padding, give)
+        by_owner = plan_ownership(buckets, world)
+        if laid is None or not _as_balanced(cost, state, by_owner, all(fits for _, _, fits in laid)):
+            return by_owner  # nothing evens out, or it costs balance: each bucket by owner
+        units = [(first, stop) for first, stop, _ in laid]
+    spans: list[list[tuple[int, int, int]]] = [[] for _ in buckets]
+    for part, start, stop, rank in owned:
+        spans[part.bucket].append((start, stop, rank))
+    ranges = [_ranges(bucket.numel, spans[b], world) for b, bucket in enumerate(buckets)]
     bound = (
         max(sum(cost) / world, whole_bound([p.cost for p in atomic], world)),
         max(sum(state) / world, whole_bound([p.state for p in atomic], world)),
         max(sum(grads) / world, whole_bound([float(p.numel * p.itemsize) for p in atomic], world)),
     )
-    return Plan(ranges, cost, state, grads, bound)
+    return Plan(ranges, cost, state, grads, bound, units)
+
+
+def _as_balanced(cost: Sequence[float], state: Sequence[float], other: Plan, every_unit: bool) -> bool:
+    """Return whether the most loaded rank's cost and state stay as balanced as ``other``'s allow.
+
+    Within :data:`_LEEWAY` of ``other``'s; where every unit moves in one buffer (``every_unit``), within
+    :data:`BALANCE` of the mean is enough.
+    """
+    world = len(cost)
+    return all(
+        max(mine) <= (1 + _LEEWAY) * max(theirs)
+        or (every_unit and max(mine) <= (1 + BALANCE) * sum(mine) / world)
+        for mine, theirs in ((cost, other.cost), (state, other.state))
+    )
+
+
+def _cut_in_units(
+    buckets: Sequence[Bucket],
+    owned: Sequence[tuple[_Part, int, int, int]],
+    large: Sequence[_Part],
+    state: Sequence[float],
+    max_padding: float,
+    give: Callable[[_Part, int, int, int], None],
+) -> list[tuple[int, int, bool]] | None:
+    """Lay the buckets out in units and cut the large element-wise runs for them; return the units.
+
+    Each unit that evens out cuts its runs to level the state, no rank's share of the unit above what
+    ``max_padding`` allows; the runs of the units that do not (they move by owner) are cut together to
+    level the state, as without units. ``None`` (nothing cut): no bucket or run of buckets evens out.
+    """
+    world = len(state)
+    fixed = [[0] * world for _ in buckets]  # each bucket's elements per rank, before the cut
+    for part, start, stop, rank in owned:
+        fixed[part.bucket][rank] += stop - start
+    flexible: dict[int, list[_Part]] = {}
+    for part in large:
+        flexible.setdefault(part.bucket, []).append(part)
+    target = _MARGIN * max_padding  # the cut's rounding and the gaps between members stay under it
+    laid = _units(buckets, fixed, flexible, target)
+    if not any(fits for _, _, fits in laid):
+        return None
+    rest: list[_Part] = []
+    for first, stop, fits in laid:
+        run = [p for b in range(first, stop) for p in flexible.get(b, ())]
+        if not fits:
+            rest += run
+            continue
+        shares = [sum(column) for column in zip(*fixed[first:stop])]
+        numel = sum(bucket.numel for bucket in buckets[first:stop])
+        cap = int((numel + max(target * numel, world - 1)) // world)  # the largest share it may give
+        _cut(run, _capped_quotas(run, shares, state, cap), lambda p: 1.0, give)
+    _fill(rest, state, lambda p: p.state / p.numel, give)
+    return laid
+
+
+class _Run:
+    """What a run of buckets adds up to: each rank's fixed elements, the spare ones, all of them."""
+
+    def __init__(self, world: int, kind: Hashable) -> None:
+        self.shares, self.spare, self.numel, self.kind = [0] * world, 0, 0, kind
+
+    def add(self, bucket: Bucket, fixed: Sequence[int], spare: int) -> _Run:
+        """Add a bucket (its fixed elements by rank and its spare elements); return the run."""
+        self.shares = [a + c for a, c in zip(self.shares, fixed)]
+        self.spare += spare
+        self.numel += bucket.numel
+        return self
+
+
+def _units(
+    buckets: Sequence[Bucket],
+    fixed: Sequence[Sequence[int]],
+    flexible: dict[int, list[_Part]],
+    max_padding: float,
+) -> list[tuple[int, int, bool]]:
+    """Return runs of consecutive buckets, each closed at the first bucket where it pads little enough.
+
+    Little enough: ``world`` slots of its largest share less its elements, at most ``max_padding`` of
+    it; the shares are the ``fixed`` elements (per bucket and rank) plus the ``flexible`` parts'
+    elements (by bucket: the large element-wise runs) cut to one level. A unit holds buckets of one
+    kind, and at most :data:`UNIT_BUDGET` times a rank's mean share of the elements. A bucket that
+    starts no such unit joins the unit before it where that still fits (at the end: the units before
+    it, as many as the budget allows), else it moves on its own (``False``: a unit that does not fit).
+    """
+    world = len(fixed[0]) if fixed else 1
+    budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
+    spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
+    units: list[tuple[int, int, bool]] = []
+    runs: list[_Run | None] = []  # what each unit adds up to (``None``: it does not fit)
+
+    def fits(run: _Run) -> bool:
+        return _fits(run.shares, run.spare, run.numel, max_padding)
+
+    def scan(first: int) -> tuple[_Run | None, int]:
+        """Return the unit that starts at ``first`` and where it stops (``None``: none; where it ended)."""
+        run = _Run(world, buckets[first].kind)
+        for b in range(first, len(buckets)):
+            run.add(buckets[b], fixed[b], spare_of[b])
+            if b > first and (run.numel > budget or buckets[b].kind != run.kind):
+                return None, b
+            if fits(run):
+                return run, b + 1
+        return None, len(buckets)
+
+    first = 0
+    while first < len(buckets):
+        run, stop = scan(first)
+        if run is not None:
+            units.append((first, stop, True))
+            runs.append(run)
+            first = stop
+            continue
+        if stop == len(buckets) and _joined(
+            first, units, runs, buckets, fixed, spare_of, max_padding, budget
+        ):
+            return units  # the last buckets joined the units before them
+        before = runs[-1] if runs else None
+        if before is not None and before.kind == buckets[first].kind:  # join the unit before, if it fits
+            grown = copy.copy(before).add(buckets[first], fixed[first], spare_of[first])
+            if grown.numel <= budget and fits(grown):
+                units[-1], runs[-1] = (units[-1][0], first + 1, True), grown
+                first += 1
+                continue
+        units.append((first, first + 1, False))
+        runs.append(None)
+        first += 1
+    return units
+
+
+def _joined(
+    first: int,
+    units: list[tuple[int, int, bool]],
+    runs: list[_Run | None],
+    buckets: Sequence[Bucket],
+    fixed: Sequence[Sequence[int]],
+    spare_of: Sequence[int],
+    max_padding: float,
+    budget: float,
+) -> bool:
+    """Join the last buckets (from ``first``) and ``units``' last ones into one unit, if one fits.
+
+    Joins as few units as fit; none past the budget or another kind of bucket. Returns whether it did.
+    """
+    run = _Run(len(fixed[0]), buckets[first].kind)
+    for b in range(first, len(buckets)):
+        run.add(buckets[b], fixed[b], spare_of[b])
+    kinds = {bucket.kind for bucket in buckets[first:]}
+    for k in range(len(units) - 1, -1, -1):
+        start, stop, _ = units[k]
+        for b in range(start, stop):
+            run.add(buckets[b], fixed[b], spare_of[b])
+            kinds.add(buckets[b].kind)
+        if run.numel > budget or len(kinds) > 1:
+            return False
+        if _fits(run.shares, run.spare, run.numel, max_padding):
+            del units[k:], runs[k:]
+            units.append((start, len(buckets), True))
+            runs.append(run)
+            return True
+    return False
+
+
+def _fits(shares: Sequence[int], spare: int, numel: int, max_padding: float) -> bool:
+    """Return whether a unit pads at most ``max_padding``: its ``shares`` and ``spare`` elements levelled."""
+    world = len(shares)
+    chunk = max(max(shares), _level(shares, spare) if spare else 0.0)
+    return world * chunk - numel <= max(max_padding * numel, world - 1)
 
 
 def whole_bound(sizes: Sequence[float], world: int) -> float:
@@ -243,13 +470,48 @@ def _side_by_side(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) ->
     Tensors of equal cost, state and size are interchangeable: no rank's load changes, and a run of
     them in a bucket (a layer's experts) goes to few owners, in few ranges, instead of one owner each.
     """
-    alike: dict[tuple[float, float, int, int], list[_Part]] = {}
-    for part in atomic:  # in layout order
-        alike.setdefault((part.cost, part.state, part.numel, part.itemsize), []).append(part)
-    for group in alike.values():
+    for group in _alike(atomic).values():
         owners = sorted(whole[p.bucket, p.offset] for p in group)
         for part, rank in zip(group, owners):
             whole[part.bucket, part.offset] = rank
+
+
+def _interleaved(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) -> None:
+    """Deal the owners of equal whole tensors again in layout order, each to the rank that has least so far.
+
+    As :func:`_side_by_side`, each rank keeps as many of each kind as rule 1 gave it (no load changes);
+    walking the layout, each tensor goes to the rank with the fewest elements so far among those with
+    one of its kind left, so that every run of buckets is close to even (one-buffer units stay small).
+    """
+    alike = _alike(atomic)
+    left: dict[tuple[float, float, int, int], dict[int, int]] = {}
+    for kind, group in alike.items():
+        counts = left[kind] = {}
+        for part in group:
+            rank = whole[part.bucket, part.offset]
+            counts[rank] = counts.get(rank, 0) + 1
+    dealt: dict[int, int] = {}
+    for part in atomic:  # in layout order
+        counts = left[_kind(part)]
+        rank = min(counts, key=lambda r: (dealt.get(r, 0), r))
+        whole[part.bucket, part.offset] = rank
+        dealt[rank] = dealt.get(rank, 0) + part.numel
+        counts[rank] -= 1
+        if not counts[rank]:
+            del counts[rank]
+
+
+def _kind(part: _Part) -> tuple[float, float, int, int]:
+    """Return what makes whole tensors interchangeable: cost, state, size and element size."""
+    return part.cost, part.state, part.numel, part.itemsize
+
+
+def _alike(atomic: Sequence[_Part]) -> dict[tuple[float, float, int, int], list[_Part]]:
+    """Return the whole tensors by (cost, state, size, element size), each list in layout order."""
+    alike: dict[tuple[float, float, int, int], list[_Part]] = {}
+    for part in atomic:
+        alike.setdefault(_kind(part), []).append(part)
+    return alike
 
 
 def _runs(parts: Sequence[_Part]) -> list[list[_Part]]:
@@ -278,17 +540,74 @@ def _neighbour(
     return whole[bucket, atomic[at]] if at < len(atomic) else None
 
 
-def _fill(parts: Sequence[_Part], state: list[float], give: Callable[[_Part, int, int, int], None]) -> None:
-    """Cut ``parts``, end to end, so that each rank's state rises to one level (rank order, in order)."""
-    total = sum(p.state for p in parts)
+def _fill(
+    parts: Sequence[_Part],
+    loads: Sequence[float],
+    per_element: _PerElement,
+    give: Callable[[_Part, int, int, int], None],
+) -> None:
+    """Cut ``parts``, end to end, so that each rank's load rises to one level (rank order, in order).
+
+    A part adds ``per_element(part)`` to its owner's load per element (state bytes, or 1: elements).
+    """
     if not parts:
         return
-    level = _level(state, total)
-    quotas = [max(0.0, level - s) for s in state]
+    level = _level(loads, sum(per_element(p) * p.numel for p in parts))
+    _cut(parts, [max(0.0, level - load) for load in loads], per_element, give)
+
+
+def _capped_quotas(
+    parts: Sequence[_Part], shares: Sequence[int], state: Sequence[float], cap: int
+) -> list[float]:
+    """Return each rank's elements of ``parts`` that level the state, no rank's share above ``cap``.
+
+    ``shares``: each rank's elements of the unit so far; ``state``: each rank's state bytes over every
+    bucket so far. Water filling with a ceiling: rank ``r`` takes ``(L - state[r]) / per`` elements
+    (``per``: the parts' state bytes per element), at most ``cap - shares[r]``, the level ``L`` found by
+    bisection; without state (no class steps them) the elements themselves are levelled. Whole
+    numbers (the largest remainders round up) that add up to the parts' elements, if the room allows.
+    """
+    total = sum(p.numel for p in parts)
+    room = [max(0, cap - s) for s in shares]
+    if not total:
+        return [0.0] * len(room)
+    if sum(room) <= total:  # the ceiling takes every element (the last rank any left)
+        return [float(r) for r in room[:-1]] + [float(total - sum(room[:-1]))]
+    per = sum(p.state for p in parts) / total
+    loads = list(state) if per > 0 else [float(s) for s in shares]
+    per = per if per > 0 else 1.0
+
+    def taken(level: float) -> list[float]:
+        return [min(r, max(0.0, (level - load) / per)) for r, load in zip(room, loads)]
+
+    low, high = min(loads), max(loads) + per * total
+    for _ in range(100):
+        middle = (low + high) / 2
+        if sum(taken(middle)) < total:
+            low = middle
+        else:
+            high = middle
+    quotas = taken(high)
+    whole = [min(r, int(q)) for q, r in zip(quotas, room)]
+    short = total - sum(whole)
+    for r in sorted(range(len(room)), key=lambda r: whole[r] - quotas[r]):  # largest remainders first
+        up = min(short, room[r] - whole[r])
+        whole[r] += up
+        short -= up
+    return [float(w) for w in whole]
+
+
+def _cut(
+    parts: Sequence[_Part],
+    quotas: Sequence[float],
+    per_element: _PerElement,
+    give: Callable[[_Part, int, int, int], None],
+) -> None:
+    """Cut ``parts``, end to end, giving each rank in turn its quota (of load: ``per_element`` each)."""
+    world = len(quotas)
     rank, left = 0, quotas[0]
-    world = len(state)
     for part in parts:
-        per = part.state / part.numel
+        per = per_element(part)
         start = part.offset
         stop = part.offset + part.numel
         while start < stop:

@@ -7,15 +7,17 @@ reducer starts the reductions in the storage's group order on every rank
 and an autograd-engine callback finishes every reduction when backward ends.
 With ``shard_gradients=True`` (ZeRO-2) only this rank's averaged slice is
 kept and the full flat gradient is freed (one full gradient in flight at a
-time); with ``False`` (ZeRO-1) the whole flat gradient is averaged and the
-slice's gradient is a view of it. The module's parameters that no group holds
-(a new head, say) are averaged too when backward ends, as DDP averages every
-parameter (``outside_params.py``).
+time; the flat gradients of a unit that moves in one buffer,
+``Partition.units``, wait for the unit's last one); with ``False`` (ZeRO-1)
+the whole flat gradient is averaged and the slice's gradient is a view of it.
+The module's parameters that no group holds (a new head, say) are averaged
+too when backward ends, as DDP averages every parameter (``outside_params.py``).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
@@ -40,15 +42,16 @@ __all__ = ["Pending", "Reducer", "ready_hook"]
 class Pending(NamedTuple):
     """A reduction in flight."""
 
-    shard: Shard
+    #: The shards it reduces (several: a unit in one buffer; ZeRO-1: one).
+    shards: Sequence[Shard]
     #: The collectives' handles.
     works: list[Any]
-    #: What gives the result once they finished (ZeRO-2: this rank's packed sum).
-    result: Callable[[], Tensor]
+    #: What gives each shard's result once they finished (ZeRO-2: this rank's packed sum).
+    result: Callable[[], list[Tensor]]
     #: ZeRO-1: the flat gradient that the result is, or (in another dtype) is copied into.
     full: Tensor | None
-    #: The gradient being reduced (alive until then).
-    sent: Tensor
+    #: What is being reduced (alive until then).
+    sent: list[Tensor]
 
 
 class Reducer:
@@ -82,6 +85,7 @@ class Reducer:
     def _begin(self, task: int | None) -> None:
         """Forget the previous backward (an aborted one included) and start ``task``."""
         self._task = task
+        #: The flat parameters (group indices) whose gradient is final in this backward.
         self._ready: set[int] = set()
         self._next = 0
         #: The reductions started and not finished yet, in start order.
@@ -100,40 +104,58 @@ class Reducer:
             self._begin(task)
             queue_callback(self._backward_end)
         if index is not None:
-            self._ready.add(index)
+            self._ready.add(self._ownership.shards[index].g)
             self._launch(final=False)
+
+    def _units(self) -> Sequence[Sequence[Shard]]:
+        """Return what is reduced together, in order: ZeRO-2's units, ZeRO-1's flat gradients one by one."""
+        if self._shard_gradients:
+            return self._ownership.units
+        return [[shard] for shard in self._ownership.shards]
 
     def _launch(self, final: bool) -> None:
         """Start the reductions next in storage order that are ready (every one if ``final``)."""
-        shards = self._ownership.shards
-        while self._next < len(shards):
-            if not (final or self._next in self._ready):
+        units = self._units()
+        while self._next < len(units):
+            unit = units[self._next]
+            if not (final or all(shard.g in self._ready for shard in unit)):
                 return
             if self._shard_gradients:
-                self.finish()  # one full gradient in flight at a time
-            self.pending.append(self.start(shards[self._next]))
+                self.finish()  # one full gradient (one unit's) in flight at a time
+            self.pending.append(self.start(unit))
             self._next += 1
 
-    def start(self, shard: Shard) -> Pending:
-        """Start reducing ``shard``'s flat gradient (zeros where this rank has none).
+    def start(self, unit: Sequence[Shard]) -> Pending:
+        """Start reducing the flat gradients of ``unit``'s shards (zeros where this rank has none).
 
         With ZeRO-2, what was cleared of the gradient this rank keeps is dropped first (the new
         gradient adds to what is left: micro-batches accumulate).
         """
-        flat = shard.flat
-        grads = live_core(self._core_ref).groups()[shard.g].grads
+        groups = live_core(self._core_ref).groups()
+        if self._shown is None:  # ZeRO-1: one flat gradient, averaged whole
+            (shard,) = unit
+            grads = groups[shard.g].grads
+            grad, full = self._flat_grad(grads, shard.flat)
+            grads.assign(shard.flat, full)
+            works, result = self._comm.all_reduce_mean(grad)
+            return Pending(unit, works, lambda: [result()], full, [grad])
+        sent = []
+        for shard in unit:
+            grads = groups[shard.g].grads
+            sent.append(self._flat_grad(grads, shard.flat)[0])
+            self._shown.settle(shard, closing=True)
+            grads.release(shard.flat)  # this rank keeps its ranges only
+        handles, parts, kept = self._comm.reduce_unit(unit, sent)
+        return Pending(unit, handles, parts, None, kept)
+
+    def _flat_grad(self, grads: GroupGrad, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """Return ``flat``'s gradient in its group's reduce dtype, contiguous (zeros: none), and as it is."""
         grad = grads.read(flat)
         if grad is None:
             grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
         elif not grad.is_contiguous():
             grad = grad.contiguous()
-        grad, full = self._in_reduce_dtype(grads, grad), grad
-        if self._shown is None:
-            grads.assign(flat, full)
-            return Pending(shard, *self._comm.all_reduce_mean(grad), full, grad)
-        self._shown.settle(shard, closing=True)
-        grads.release(flat)  # this rank keeps its ranges only
-        return Pending(shard, *self._comm.reduce_to_owners(shard, grad), None, grad)
+        return self._in_reduce_dtype(grads, grad), grad
 
     def _in_reduce_dtype(self, grads: GroupGrad, grad: Tensor) -> Tensor:
         """Return ``grad`` converted to its group's reduce dtype (a mixed-precision policy's), if any."""
@@ -144,18 +166,18 @@ class Reducer:
         """Wait for the reductions in flight and hand each shard its averaged gradient."""
         pending, self.pending = self.pending, []
         world = self._comm.world
-        for shard, works, result, full, _ in pending:
+        for shards, works, result, full, _ in pending:
             for work in works:
                 work.wait()
-            grad = result()
-            if full is not None:  # ZeRO-1: the pieces view the whole averaged flat gradient
-                if grad is not full:  # reduced in the group's reduce dtype
-                    full.copy_(grad)
-                shard.take(full)
-                continue
-            shard.receive(grad.to(shard.dtype) / world, accumulate=True)
-            if self._shown is not None:
-                self._shown.lend(shard)
+            for shard, grad in zip(shards, result()):
+                if full is not None:  # ZeRO-1: the pieces view the whole averaged flat gradient
+                    if grad is not full:  # reduced in the group's reduce dtype
+                        full.copy_(grad)
+                    shard.take(full)
+                    continue
+                shard.receive(grad.to(shard.dtype) / world, accumulate=True)
+                if self._shown is not None:
+                    self._shown.lend(shard)
 
     def _backward_end(self) -> None:
         """Engine callback: start what is left, wait for every reduction."""

@@ -25,7 +25,7 @@ path and the state conversion (``sharded_state.py``) work from those for every r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -100,8 +100,18 @@ class Strategy(Protocol):
         """Return ``params`` as checked groups (``taken``: tensors already optimized)."""
         ...
 
-    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
-        """Return each rank's element ranges of flat parameter ``g`` of ``numel`` elements."""
+    def ranges(
+        self, g: int, numel: int, world: int, max_padding: float | None
+    ) -> list[list[tuple[int, int]]]:
+        """Return each rank's element ranges of flat parameter ``g`` of ``numel`` elements.
+
+        ``max_padding``: the collectives take one padded buffer where it pads at most this fraction
+        (``None``: each owner's ranges move on their own).
+        """
+        ...
+
+    def units(self, world: int, max_padding: float | None) -> list[list[int]]:
+        """Return the flat parameters (indices) that move together in one buffer; the others move alone."""
         ...
 
     def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
@@ -142,10 +152,16 @@ class Slices:
             for group in groups
         ]
 
-    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
+    def ranges(
+        self, g: int, numel: int, world: int, max_padding: float | None
+    ) -> list[list[tuple[int, int]]]:
         """Return each rank ``r``'s slice ``[r c, (r + 1) c)``, ``c = ceil(numel / world)`` (clipped)."""
         chunk = -(-numel // world)
         return [[(min(r * chunk, numel), min((r + 1) * chunk, numel))] for r in range(world)]
+
+    def units(self, world: int, max_padding: float | None) -> list[list[int]]:
+        """Return none: equal slices pad each flat parameter by less than one element per rank."""
+        return []
 
     def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
         """Return this rank's slice as one 1-D piece (empty past the end)."""
@@ -171,8 +187,10 @@ class WholeTensors:
         self._classes: dict[tuple[int, int], type] = {}
         #: Each flat parameter's element size and whether it is trained (it is sharded then).
         self._flats = [(f.element_size(), f.requires_grad) for f in storage.flat_params]
-        #: The ownership of every sharded flat parameter, made once for the world size.
-        self._plan: tuple[int, dict[int, int], Plan] | None = None
+        #: Each flat parameter's dtype and device: flat parameters of one unit share a buffer.
+        self._kinds = [(f.dtype, f.device) for f in storage.flat_params]
+        #: The ownership of every sharded flat parameter, made once for the world size and padding.
+        self._plan: tuple[tuple[int, float | None], list[int], Plan] | None = None
 
     def groups(
         self,
@@ -249,24 +267,32 @@ class WholeTensors:
             for index in range(len(layout.numels))
         ]
 
-    def _planned(self, world: int) -> tuple[dict[int, int], Plan]:
-        """Return the plan over every sharded flat parameter (made once) and each one's bucket."""
-        if self._plan is None or self._plan[0] != world:
+    def _planned(self, world: int, max_padding: float | None) -> tuple[list[int], Plan]:
+        """Return the flat parameter of each bucket, and the plan over them all (made once)."""
+        if self._plan is None or self._plan[0] != (world, max_padding):
             used = sorted({g for g, _ in self._classes if self._flats[g][1]})
             members = {g: self._members(g) for g in used}
             buckets = buckets_of(
                 [(self._layouts[g].numel, self._flats[g][0], members[g]) for g in used],
                 [[self._classes.get((g, m[0])) for m in members[g]] for g in used],
+                [self._kinds[g] for g in used],
             )
-            self._plan = (world, {g: b for b, g in enumerate(used)}, plan_ownership(buckets, world))
+            self._plan = ((world, max_padding), used, plan_ownership(buckets, world, max_padding))
         return self._plan[1], self._plan[2]
 
-    def ranges(self, g: int, numel: int, world: int) -> list[list[tuple[int, int]]]:
+    def ranges(
+        self, g: int, numel: int, world: int, max_padding: float | None
+    ) -> list[list[tuple[int, int]]]:
         """Return each rank's ranges of flat parameter ``g``, from the plan over every flat parameter."""
-        index, plan = self._planned(world)
-        if g not in index:  # nothing of it is stepped here: one owner, nothing to balance
+        used, plan = self._planned(world, max_padding)
+        if g not in used:  # nothing of it is stepped here: one owner, nothing to balance
             return [[(0, numel)] if r == 0 else [] for r in range(world)]
-        return plan.ranges[index[g]]
+        return plan.ranges[used.index(g)]
+
+    def units(self, world: int, max_padding: float | None) -> list[list[int]]:
+        """Return the plan's units of several flat parameters (laid out for one buffer: ``max_padding``)."""
+        used, plan = self._planned(world, max_padding)
+        return [used[first:stop] for first, stop in plan.units if stop - first > 1]
 
     def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
         """Return each tensor (or part of an element-wise one) inside this rank's ranges, in its shape."""
@@ -290,6 +316,7 @@ class WholeTensors:
 def buckets_of(
     flats: Sequence[tuple[int, int, Sequence[tuple[int, int, int, tuple[int, ...]]]]],
     classes: Sequence[Sequence[type | None]],
+    kinds: Sequence[Hashable] | None = None,
 ) -> list[Bucket]:
     """Return the buckets that ``sharded_plan.plan_ownership`` balances, from flat parameters' layouts.
 
@@ -297,6 +324,8 @@ def buckets_of(
         flats: per flat parameter, its numel (padding included), element size and members
             ``(index, offset, numel, shape)``.
         classes: per flat parameter, the class that steps each member (``None``: none).
+        kinds: per flat parameter, what two must share to move in one buffer (dtype and device;
+            ``None``: anything).
 
     Returns:
         One bucket per flat parameter.
@@ -311,8 +340,9 @@ def buckets_of(
             numel,
             itemsize,
             [BucketTensor(offset, n, shape, cls) for (_, offset, n, shape), cls in zip(members, owners)],
+            None if kinds is None else kinds[i],
         )
-        for (numel, itemsize, members), owners in zip(flats, classes)
+        for i, ((numel, itemsize, members), owners) in enumerate(zip(flats, classes))
     ]
 
 

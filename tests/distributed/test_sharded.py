@@ -227,12 +227,13 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
         in_flight: list[int] = []
         start = opt._reducer.start
 
-        def counting_start(piece, start=start, storage=storage, opt=opt, in_flight=in_flight):
-            started = start(piece)
+        def counting_start(unit, start=start, storage=storage, opt=opt, in_flight=in_flight):
+            started = start(unit)
             # full flat gradients alive once this bucket's reduction started
             alive = {id(f.grad) for f in storage.flat_params if type(f.grad) is torch.Tensor}
             pending = (*opt._reducer.pending, started)
-            alive |= {id(p.sent) for p in pending if p.sent.numel() > piece.chunk}
+            chunk = max(shard.chunk for shard in unit)
+            alive |= {id(t) for p in pending for t in p.sent if t.numel() > chunk}
             in_flight.append(len(alive))
             return started
 

@@ -5,7 +5,11 @@ matrices, ``AdamW`` on the rest, ZeRO-2) on 2, 3 and 4 gloo ranks (one launch ea
 
 * ``one_matrix``: every tensor its own bucket (``bucket_cap_mb`` below any tensor), the case where each
   bucket used to be cut on its own and every matrix went to the same rank;
-* ``mixed``: matrices of four shapes and element-wise tensors sharing buckets of 3 KiB.
+* ``mixed``: matrices of four shapes and element-wise tensors sharing buckets of 3 KiB;
+* each again laid out for NCCL's one-buffer collectives, run here on gloo (``.one_buffer``: the
+  collectives are told at construction that they take one padded buffer, so the plan deals the
+  ownership in units of buckets that move as one ``reduce_scatter`` / ``all_gather``), with ZeRO-2 and,
+  for ``mixed``, ZeRO-1 (``.zero1``: the units move only after the step).
 
 Per rank, the optimizer state bytes are what ``sharded_plan.plan_ownership`` predicts (the function
 that ``benchmarks/bench_zero_scale.py`` runs without a process group), no rank holds all the matrices,
@@ -17,6 +21,7 @@ resumed run equal to one process whose step ``i`` averaged over that step's rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -27,16 +32,25 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize._distributed import sharded_collectives
 from flatten_parametrize._distributed.sharded_plan import plan_ownership
 from flatten_parametrize._distributed.sharded_strategies import buckets_of
 
-from _helpers import launch_gloo, launch_results, save_result
+from _helpers import launch_gloo, launch_results, one_buffer_collectives, save_result
 
 pytestmark = pytest.mark.slow
 
 ROWS = 4  # per rank and step
-#: Bucket size in MiB per model: one byte (every tensor alone), 3 KiB (mixed).
+#: Bucket size in MiB per layout: one byte (every tensor alone), 3 KiB (mixed).
 CAPS = {"one_matrix": 1 / 2**20, "mixed": 3 * 1024 / 2**20}
+#: Each run: its layout, whether the collectives take one padded buffer (NCCL's path), ZeRO-2.
+KINDS = {
+    "one_matrix": ("one_matrix", False, True),
+    "mixed": ("mixed", False, True),
+    "one_matrix.one_buffer": ("one_matrix", True, True),
+    "mixed.one_buffer": ("mixed", True, True),
+    "mixed.one_buffer.zero1": ("mixed", True, False),
+}
 
 
 class _Net(nn.Module):
@@ -85,10 +99,15 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _built(kind: str) -> tuple[nn.Module, Any]:
+    layout, one_buffer, zero2 = KINDS[kind]
     model = _Net()
-    storage = register_flat_storage(model, bucket_cap_mb=CAPS[kind])
+    storage = register_flat_storage(model, bucket_cap_mb=CAPS[layout])
     storage.unflatten()
-    return model, ShardedOptimizer(storage, torch.optim.AdamW, _groups(model), whole_tensors=True)
+    with one_buffer_collectives() if one_buffer else contextlib.nullcontext():
+        opt = ShardedOptimizer(
+            storage, torch.optim.AdamW, _groups(model), whole_tensors=True, shard_gradients=zero2
+        )
+    return model, opt
 
 
 def _train(model: nn.Module, opt: Any, rank: int, steps: range) -> None:
@@ -160,10 +179,15 @@ def _worker(
     rank: int, world: int, outdir: Any, resume_from: Any = None, resume_step: int = 2, suffix: str = ""
 ) -> None:
     torch.set_num_threads(1)
-    for kind in CAPS:
+    reduce_scatters = _count_calls(sharded_collectives, "reduce_scatter")
+    all_gathers = _count_calls(sharded_collectives, "all_gather")
+    for kind in KINDS:
         model, opt = _built(kind)
+        reduce_scatters.clear()
+        all_gathers.clear()
         _train(model, opt, rank, range(2))
         shards = opt._ownership.shards
+        units = opt._ownership.units
         save_result(
             outdir,
             rank,
@@ -179,6 +203,12 @@ def _worker(
                     if isinstance(inner, torch.optim.Muon)
                     for group in inner.param_groups
                 ),
+                "units": [len(unit) for unit in units],
+                "one_buffer": [
+                    opt._comm.one_buffer_for(unit) if len(unit) > 1 else not opt._comm.by_owner_for(unit[0])
+                    for unit in units
+                ],
+                "calls": (len(reduce_scatters), len(all_gathers)),
             },
         )
         _dcp(model, opt, outdir / f"dcp_{kind}", load=False)
@@ -188,6 +218,19 @@ def _worker(
             _train(model, opt, rank, range(resume_step, resume_step + 1))
             save_result(outdir, rank, f"{kind}.resumed", {"weights": _weights(model)})
             _dcp(model, opt, outdir / f"dcp_{kind}.resumed", load=False)
+
+
+def _count_calls(module: Any, name: str) -> list[int]:
+    """Count the calls of ``module.name`` from now on in this process (the list grows by one a call)."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +259,9 @@ def launch(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def _planned(kind: str, world: int) -> Any:
     """The plan that ``bench_zero_scale.py`` computes for this layout, with no process group."""
+    layout, one_buffer, _ = KINDS[kind]
     model = _Net()
-    storage = register_flat_storage(model, bucket_cap_mb=CAPS[kind])
+    storage = register_flat_storage(model, bucket_cap_mb=CAPS[layout])
     index = {name: g for g, name in enumerate(storage.group_names)}
     flats: list[Any] = [(f.numel(), f.element_size(), []) for f in storage.flat_params]
     classes: list[list[Any]] = [[] for _ in storage.flat_params]
@@ -225,10 +269,11 @@ def _planned(kind: str, world: int) -> Any:
         flats[index[info.group]][2].append((i, info.offset, info.numel, tuple(info.shape)))
         matrix = info.name.startswith(("layers.", "out.")) and len(info.shape) == 2
         classes[index[info.group]].append(torch.optim.Muon if matrix else torch.optim.AdamW)
-    return plan_ownership(buckets_of(flats, classes), world)
+    max_padding = sharded_collectives.MAX_PADDING if one_buffer else None
+    return plan_ownership(buckets_of(flats, classes), world, max_padding)
 
 
-@pytest.mark.parametrize("kind", list(CAPS))
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_each_ranks_state_bytes_are_the_simulated_ones(launch, kind):
     """Per rank: the optimizer state bytes and the ZeRO-2 gradient elements the plan predicts."""
     world = launch["world"]
@@ -236,12 +281,34 @@ def test_each_ranks_state_bytes_are_the_simulated_ones(launch, kind):
     results = launch_results(launch, kind)
     assert [r["state_bytes"] for r in results] == [int(s) for s in plan.state]
     assert [4 * r["owned"] for r in results] == plan.grads
-    if kind == "one_matrix":
+    if kind.startswith("one_matrix"):
         assert results[0]["buckets"] == len(list(_Net().parameters()))  # one tensor per bucket
     assert all(r["matrices"] >= 1 for r in results)  # every rank steps a matrix (5 over up to 4 ranks)
 
 
-@pytest.mark.parametrize("kind", list(CAPS))
+@pytest.mark.parametrize("kind", [k for k in KINDS if KINDS[k][1]])
+def test_laid_out_for_one_buffer_every_bucket_moves_in_one_buffer(launch, kind):
+    """NCCL's path: buckets move in the plan's units, each one reduce_scatter and one all_gather.
+
+    A bucket of one matrix alone would pad its buffer ``W - 1`` times: those buckets move in units of
+    several (``one_matrix``); where each bucket evens out alone (``mixed`` on 2 ranks) it moves alone.
+    """
+    world = launch["world"]
+    plan = _planned(kind, world)
+    layout, _, zero2 = KINDS[kind]
+    sizes = [stop - first for first, stop in plan.units]
+    if layout == "one_matrix":
+        assert max(sizes) > 1
+    for result in launch_results(launch, kind):
+        assert result["units"] == sizes
+        assert all(result["one_buffer"])  # each pads at most MAX_PADDING: none moves by owner
+        # two steps: each unit one all_gather a step and, with ZeRO-2, one reduce_scatter a backward
+        reduce_scatters, all_gathers = result["calls"]
+        assert all_gathers == 2 * len(sizes)
+        assert reduce_scatters == (2 * len(sizes) if zero2 else 0)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_every_rank_ends_as_one_process(launch, kind):
     """The weights after two steps equal the plain model's with the same optimizers."""
     reference = _reference([launch["world"]] * 2)
@@ -253,7 +320,7 @@ def test_every_rank_ends_as_one_process(launch, kind):
                 torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", list(CAPS))
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("world", [3, 4])
 def test_a_dcp_checkpoint_resumes_at_another_world_size(request, kind, world):
     """2 ranks save, 3 resume and save, 4 resume: each equal to one process with those steps' ranks."""

@@ -36,7 +36,13 @@ from flatten_parametrize import ShardedOptimizer, register_flat_storage
 from flatten_parametrize._distributed import sharded_collectives
 from flatten_parametrize._distributed.sharded_plan import Bucket, BucketTensor, plan_ownership
 
-from _helpers import assert_same_optim_state, launch_gloo, launch_results, save_result
+from _helpers import (
+    assert_same_optim_state,
+    launch_gloo,
+    launch_results,
+    one_buffer_collectives,
+    save_result,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,8 +100,10 @@ def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedule
 
 
 def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
-    model, opt, schedule = _built(scenario.shard_gradients, scenario.matrix_class, scenario.bucket_bytes)
-    opt._comm.by_owner = not scenario.one_buffer
+    with one_buffer_collectives() if scenario.units else contextlib.nullcontext():
+        model, opt, schedule = _built(scenario.shard_gradients, scenario.matrix_class, scenario.bucket_bytes)
+    if not scenario.units:
+        opt._comm.by_owner = not scenario.one_buffer
     # which buckets NCCL would move by owner (more padding than sharded_collectives.MAX_PADDING allows);
     # then every bucket takes the padded path here, however uneven (this tiny model's are)
     padded = [not opt._comm.by_owner_for(s) for s in opt._ownership.shards]
@@ -143,6 +151,9 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
         "padded": padded,
         "paddings": paddings,
         "one_buffer": [not opt._comm.by_owner_for(s) for s in opt._ownership.shards],
+        "units": [
+            (len(unit), opt._comm.one_buffer_for(unit)) for unit in opt._ownership.units if len(unit) > 1
+        ],
     }
 
 
@@ -282,6 +293,8 @@ class _Scenario(NamedTuple):
     bucket_bytes: int | None = None
     #: NCCL's path, run on gloo: one padded buffer per bucket (``reduce_scatter`` / ``all_gather``).
     one_buffer: bool = False
+    #: NCCL's path from the start: the plan laid out for it, buckets moving in units of several.
+    units: bool = False
 
 
 SCENARIOS = {
@@ -293,6 +306,8 @@ SCENARIOS = {
     "zero1_buckets": _Scenario(False, bucket_bytes=1200),
     "zero2_one_buffer": _Scenario(True, bucket_bytes=1200, one_buffer=True),
     "zero1_one_buffer": _Scenario(False, bucket_bytes=1200, one_buffer=True),
+    "zero2_units": _Scenario(True, clip=True, bucket_bytes=800, units=True),
+    "zero1_units": _Scenario(False, bucket_bytes=800, units=True),
 }
 
 
@@ -392,6 +407,19 @@ def test_nccls_one_buffer_path_takes_the_buckets_padded_by_at_most_the_limit(lau
         assert all(result["one_buffer"])
         assert result["padded"] == [p <= sharded_collectives.MAX_PADDING for p in result["paddings"]]
         assert any(p > 0 for p in result["paddings"])  # uneven: the padded copies were exercised
+
+
+@pytest.mark.parametrize("scenario", ["zero2_units", "zero1_units"])
+def test_laid_out_for_nccl_buckets_move_in_units_of_several_in_one_buffer(launch, scenario):
+    """Built for one-buffer collectives: runs of buckets move as one, each padding at most the limit.
+
+    On 2 ranks the four matrices even out in pairs of buckets; on 3 they cannot (the layout by owner is
+    kept, and the scenario still trains as one process above).
+    """
+    for result in launch_results(launch, scenario):
+        if launch["world"] == 2:
+            assert result["units"], "no unit of several buckets"
+        assert all(one for _, one in result["units"])
 
 
 @pytest.mark.parametrize("scenario", ["zero2_buckets", "zero1_buckets"])
