@@ -190,7 +190,7 @@ class WholeTensors:
         #: Each flat parameter's dtype and device: flat parameters of one unit share a buffer.
         self._kinds = [(f.dtype, f.device) for f in storage.flat_params]
         #: The ownership of every sharded flat parameter, made once for the world size and padding.
-        self._plan: tuple[tuple[int, float | None], list[int], Plan] | None = None
+        self._plan: tuple[tuple[int, float | None], dict[int, int], Plan] | None = None
 
     def groups(
         self,
@@ -267,8 +267,8 @@ class WholeTensors:
             for index in range(len(layout.numels))
         ]
 
-    def _planned(self, world: int, max_padding: float | None) -> tuple[list[int], Plan]:
-        """Return the flat parameter of each bucket, and the plan over them all (made once)."""
+    def _planned(self, world: int, max_padding: float | None) -> tuple[dict[int, int], Plan]:
+        """Return each planned flat parameter's bucket (in bucket order), and the plan (made once)."""
         if self._plan is None or self._plan[0] != (world, max_padding):
             used = sorted({g for g, _ in self._classes if self._flats[g][1]})
             members = {g: self._members(g) for g in used}
@@ -277,7 +277,8 @@ class WholeTensors:
                 [[self._classes.get((g, m[0])) for m in members[g]] for g in used],
                 [self._kinds[g] for g in used],
             )
-            self._plan = ((world, max_padding), used, plan_ownership(buckets, world, max_padding))
+            index = {g: b for b, g in enumerate(used)}
+            self._plan = ((world, max_padding), index, plan_ownership(buckets, world, max_padding))
         return self._plan[1], self._plan[2]
 
     def ranges(
@@ -285,14 +286,16 @@ class WholeTensors:
     ) -> list[list[tuple[int, int]]]:
         """Return each rank's ranges of flat parameter ``g``, from the plan over every flat parameter."""
         used, plan = self._planned(world, max_padding)
-        if g not in used:  # nothing of it is stepped here: one owner, nothing to balance
+        bucket = used.get(g)
+        if bucket is None:  # nothing of it is stepped here: one owner, nothing to balance
             return [[(0, numel)] if r == 0 else [] for r in range(world)]
-        return plan.ranges[used.index(g)]
+        return plan.ranges[bucket]
 
     def units(self, world: int, max_padding: float | None) -> list[list[int]]:
         """Return the plan's units of several flat parameters (laid out for one buffer: ``max_padding``)."""
         used, plan = self._planned(world, max_padding)
-        return [used[first:stop] for first, stop in plan.units if stop - first > 1]
+        flats = list(used)  # each bucket's flat parameter, in bucket order
+        return [flats[first:stop] for first, stop in plan.units if stop - first > 1]
 
     def pieces(self, g: int, mine: Sequence[tuple[int, int]]) -> list[Piece]:
         """Return each tensor (or part of an element-wise one) inside this rank's ranges, in its shape."""
