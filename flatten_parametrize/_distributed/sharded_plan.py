@@ -29,7 +29,8 @@ one matrix would pad its buffer ``W`` times, so the buckets move in **units**,
 runs of consecutive buckets that share one ``reduce_scatter`` and one
 ``all_gather`` (each rank's share of a unit packed into one slot). Rule 1's
 owners of equal tensors are dealt in layout order, each to the rank with the
-fewest elements so far (instead of side by side), a unit closes at the first
+fewest elements so far (instead of side by side; two ways, :func:`_interleaved`,
+the layout with fewer elements by owner and smaller units is kept), a unit closes at the first
 bucket where its ranks' shares are even to within ``max_padding`` (a bucket
 that starts none joins the unit before it where that still evens out), and
 rule 2's cut levels the state unit by unit, no rank's share of a unit above
@@ -168,6 +169,25 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
         >>> plan_ownership([Bucket(64, 4, one), Bucket(64, 4, one)], 2, max_padding=0.05).units
         [(0, 2)]
     """
+    by_owner = _plan(buckets, world, None, ahead=False)
+    assert by_owner is not None  # the layout by owner always exists
+    if max_padding is None:
+        return by_owner
+    laid = []
+    for ahead in (True, False):  # two deals of equal tensors (see _interleaved): the better layout is kept
+        plan = _plan(buckets, world, max_padding, ahead)
+        if plan is not None:
+            left = _moved_by_owner(plan, buckets, max_padding)
+            if _as_balanced(plan, by_owner, every_unit=not left):
+                laid.append((left, _largest_unit(plan, buckets), plan))
+    return min(laid, key=lambda entry: entry[:2])[2] if laid else by_owner
+
+
+def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, ahead: bool) -> Plan | None:
+    """Return the plan by owner (``max_padding`` ``None``) or laid out in units (``None``: no unit fits).
+
+    ``ahead``: how equal tensors are dealt for units (:func:`_interleaved`).
+    """
     parts = [
         _part(b, bucket.itemsize, m) for b, bucket in enumerate(buckets) for m in bucket.members if m.numel
     ]
@@ -191,7 +211,10 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
         give(part, part.offset, part.offset + part.numel, rank)
         whole[part.bucket, part.offset] = rank
         heapq.heappush(heap, (cost[rank], state[rank], rank))
-    (_side_by_side if max_padding is None else _interleaved)(atomic, whole)
+    if max_padding is None:
+        _side_by_side(atomic, whole)
+    else:
+        _interleaved(atomic, whole, ahead)
     owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
     # 2. element-wise runs: small ones to a neighbour's owner, the others cut to level the loads
     mean = sum(p.state for p in parts) / world
@@ -211,10 +234,9 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
         units = [(b, b + 1) for b in range(len(buckets))]
     else:
         laid = _cut_in_units(buckets, owned, large, state, max_padding, give)
-        by_owner = plan_ownership(buckets, world)
-        if laid is None or not _as_balanced(cost, state, by_owner, all(fits for _, _, fits in laid)):
-            return by_owner  # nothing evens out, or it costs balance: each bucket by owner
-        units = [(first, stop) for first, stop, _ in laid]
+        if laid is None:
+            return None  # nothing evens out
+        units = laid
     spans: list[list[tuple[int, int, int]]] = [[] for _ in buckets]
     for part, start, stop, rank in owned:
         spans[part.bucket].append((start, stop, rank))
@@ -227,17 +249,45 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
     return Plan(ranges, cost, state, grads, bound, units)
 
 
-def _as_balanced(cost: Sequence[float], state: Sequence[float], other: Plan, every_unit: bool) -> bool:
-    """Return whether the most loaded rank's cost and state stay as balanced as ``other``'s allow.
+def _as_balanced(plan: Plan, other: Plan, every_unit: bool) -> bool:
+    """Return whether ``plan``'s most loaded rank's cost and state stay as balanced as ``other``'s allow.
 
     Within :data:`_LEEWAY` of ``other``'s; where every unit moves in one buffer (``every_unit``), within
     :data:`BALANCE` of the mean is enough.
     """
-    world = len(cost)
+    world = len(plan.cost)
     return all(
         max(mine) <= (1 + _LEEWAY) * max(theirs)
         or (every_unit and max(mine) <= (1 + BALANCE) * sum(mine) / world)
-        for mine, theirs in ((cost, other.cost), (state, other.state))
+        for mine, theirs in ((plan.cost, other.cost), (plan.state, other.state))
+    )
+
+
+def _unit_shares(plan: Plan, first: int, stop: int) -> list[int]:
+    """Return each rank's elements of the buckets ``first`` to ``stop``."""
+    shares = [0] * len(plan.cost)
+    for ranges in plan.ranges[first:stop]:
+        for rank, owner in enumerate(ranges):
+            if owner:
+                shares[rank] += sum(b - a for a, b in owner)
+    return shares
+
+
+def _moved_by_owner(plan: Plan, buckets: Sequence[Bucket], max_padding: float) -> int:
+    """Return the elements of the units that pad more than ``max_padding`` (they move by owner)."""
+    world, left = len(plan.cost), 0
+    for first, stop in plan.units:
+        numel = sum(bucket.numel for bucket in buckets[first:stop])
+        if world * max(_unit_shares(plan, first, stop)) - numel > max(max_padding * numel, world - 1):
+            left += numel
+    return left
+
+
+def _largest_unit(plan: Plan, buckets: Sequence[Bucket]) -> int:
+    """Return the elements of the largest unit of several buckets (0: none)."""
+    return max(
+        (sum(b.numel for b in buckets[first:stop]) for first, stop in plan.units if stop - first > 1),
+        default=0,
     )
 
 
@@ -248,7 +298,7 @@ def _cut_in_units(
     state: Sequence[float],
     max_padding: float,
     give: Callable[[_Part, int, int, int], None],
-) -> list[tuple[int, int, bool]] | None:
+) -> list[tuple[int, int]] | None:
     """Lay the buckets out in units and cut the large element-wise runs for them; return the units.
 
     Each unit that evens out cuts its runs to level the state, no rank's share of the unit above what
@@ -256,14 +306,14 @@ def _cut_in_units(
     level the state, as without units. ``None`` (nothing cut): no bucket or run of buckets evens out.
     """
     world = len(state)
-    fixed = [[0] * world for _ in buckets]  # each bucket's elements per rank, before the cut
+    fixed: list[dict[int, int]] = [{} for _ in buckets]  # each bucket's elements by rank, before the cut
     for part, start, stop, rank in owned:
-        fixed[part.bucket][rank] += stop - start
+        fixed[part.bucket][rank] = fixed[part.bucket].get(rank, 0) + stop - start
     flexible: dict[int, list[_Part]] = {}
     for part in large:
         flexible.setdefault(part.bucket, []).append(part)
     target = _MARGIN * max_padding  # the cut's rounding and the gaps between members stay under it
-    laid = _units(buckets, fixed, flexible, target)
+    laid = _units(buckets, fixed, flexible, target, world)
     if not any(fits for _, _, fits in laid):
         return None
     rest: list[_Part] = []
@@ -272,12 +322,15 @@ def _cut_in_units(
         if not fits:
             rest += run
             continue
-        shares = [sum(column) for column in zip(*fixed[first:stop])]
+        shares = [0] * world
+        for b in range(first, stop):
+            for rank, count in fixed[b].items():
+                shares[rank] += count
         numel = sum(bucket.numel for bucket in buckets[first:stop])
         cap = int((numel + max(target * numel, world - 1)) // world)  # the largest share it may give
         _cut(run, _capped_quotas(run, shares, state, cap), lambda p: 1.0, give)
     _fill(rest, state, lambda p: p.state / p.numel, give)
-    return laid
+    return [(first, stop) for first, stop, _ in laid]
 
 
 class _Run:
@@ -285,20 +338,40 @@ class _Run:
 
     def __init__(self, world: int, kind: Hashable) -> None:
         self.shares, self.spare, self.numel, self.kind = [0] * world, 0, 0, kind
+        #: The largest share.
+        self.top = 0
 
-    def add(self, bucket: Bucket, fixed: Sequence[int], spare: int) -> _Run:
+    def add(self, bucket: Bucket, fixed: dict[int, int], spare: int) -> _Run:
         """Add a bucket (its fixed elements by rank and its spare elements); return the run."""
-        self.shares = [a + c for a, c in zip(self.shares, fixed)]
+        for rank, count in fixed.items():
+            self.shares[rank] += count
+            self.top = max(self.top, self.shares[rank])
         self.spare += spare
         self.numel += bucket.numel
         return self
 
+    def copy(self) -> _Run:
+        """Return a copy that adds up on its own."""
+        other = copy.copy(self)
+        other.shares = list(self.shares)
+        return other
+
+    def fits(self, max_padding: float) -> bool:
+        """Return whether the run pads at most ``max_padding``: its shares and spare elements levelled."""
+        world = len(self.shares)
+        room = max(max_padding * self.numel, world - 1)
+        if world * self.top - self.numel > room:
+            return False
+        level = _level(self.shares, self.spare) if self.spare else 0.0
+        return world * max(self.top, level) - self.numel <= room
+
 
 def _units(
     buckets: Sequence[Bucket],
-    fixed: Sequence[Sequence[int]],
+    fixed: Sequence[dict[int, int]],
     flexible: dict[int, list[_Part]],
     max_padding: float,
+    world: int,
 ) -> list[tuple[int, int, bool]]:
     """Return runs of consecutive buckets, each closed at the first bucket where it pads little enough.
 
@@ -309,14 +382,10 @@ def _units(
     starts no such unit joins the unit before it where that still fits (at the end: the units before
     it, as many as the budget allows), else it moves on its own (``False``: a unit that does not fit).
     """
-    world = len(fixed[0]) if fixed else 1
     budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
     spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
     units: list[tuple[int, int, bool]] = []
     runs: list[_Run | None] = []  # what each unit adds up to (``None``: it does not fit)
-
-    def fits(run: _Run) -> bool:
-        return _fits(run.shares, run.spare, run.numel, max_padding)
 
     def scan(first: int) -> tuple[_Run | None, int]:
         """Return the unit that starts at ``first`` and where it stops (``None``: none; where it ended)."""
@@ -325,7 +394,7 @@ def _units(
             run.add(buckets[b], fixed[b], spare_of[b])
             if b > first and (run.numel > budget or buckets[b].kind != run.kind):
                 return None, b
-            if fits(run):
+            if run.fits(max_padding):
                 return run, b + 1
         return None, len(buckets)
 
@@ -338,13 +407,13 @@ def _units(
             first = stop
             continue
         if stop == len(buckets) and _joined(
-            first, units, runs, buckets, fixed, spare_of, max_padding, budget
+            first, units, runs, buckets, fixed, spare_of, max_padding, budget, world
         ):
             return units  # the last buckets joined the units before them
         before = runs[-1] if runs else None
         if before is not None and before.kind == buckets[first].kind:  # join the unit before, if it fits
-            grown = copy.copy(before).add(buckets[first], fixed[first], spare_of[first])
-            if grown.numel <= budget and fits(grown):
+            grown = before.copy().add(buckets[first], fixed[first], spare_of[first])
+            if grown.numel <= budget and grown.fits(max_padding):
                 units[-1], runs[-1] = (units[-1][0], first + 1, True), grown
                 first += 1
                 continue
@@ -359,16 +428,17 @@ def _joined(
     units: list[tuple[int, int, bool]],
     runs: list[_Run | None],
     buckets: Sequence[Bucket],
-    fixed: Sequence[Sequence[int]],
+    fixed: Sequence[dict[int, int]],
     spare_of: Sequence[int],
     max_padding: float,
     budget: float,
+    world: int,
 ) -> bool:
     """Join the last buckets (from ``first``) and ``units``' last ones into one unit, if one fits.
 
     Joins as few units as fit; none past the budget or another kind of bucket. Returns whether it did.
     """
-    run = _Run(len(fixed[0]), buckets[first].kind)
+    run = _Run(world, buckets[first].kind)
     for b in range(first, len(buckets)):
         run.add(buckets[b], fixed[b], spare_of[b])
     kinds = {bucket.kind for bucket in buckets[first:]}
@@ -379,19 +449,12 @@ def _joined(
             kinds.add(buckets[b].kind)
         if run.numel > budget or len(kinds) > 1:
             return False
-        if _fits(run.shares, run.spare, run.numel, max_padding):
+        if run.fits(max_padding):
             del units[k:], runs[k:]
             units.append((start, len(buckets), True))
             runs.append(run)
             return True
     return False
-
-
-def _fits(shares: Sequence[int], spare: int, numel: int, max_padding: float) -> bool:
-    """Return whether a unit pads at most ``max_padding``: its ``shares`` and ``spare`` elements levelled."""
-    world = len(shares)
-    chunk = max(max(shares), _level(shares, spare) if spare else 0.0)
-    return world * chunk - numel <= max(max_padding * numel, world - 1)
 
 
 def whole_bound(sizes: Sequence[float], world: int) -> float:
@@ -476,12 +539,14 @@ def _side_by_side(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) ->
             whole[part.bucket, part.offset] = rank
 
 
-def _interleaved(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) -> None:
+def _interleaved(atomic: Sequence[_Part], whole: dict[tuple[int, int], int], ahead: bool) -> None:
     """Deal the owners of equal whole tensors again in layout order, each to the rank that has least so far.
 
     As :func:`_side_by_side`, each rank keeps as many of each kind as rule 1 gave it (no load changes);
     walking the layout, each tensor goes to the rank with the fewest elements so far among those with
     one of its kind left, so that every run of buckets is close to even (one-buffer units stay small).
+    ``ahead``: the elements a rank still has to take of this kind count as already taken less, so that
+    no rank is left with many of a kind at the end of the layout (smaller units, mostly).
     """
     alike = _alike(atomic)
     left: dict[tuple[float, float, int, int], dict[int, int]] = {}
@@ -490,15 +555,31 @@ def _interleaved(atomic: Sequence[_Part], whole: dict[tuple[int, int], int]) -> 
         for part in group:
             rank = whole[part.bucket, part.offset]
             counts[rank] = counts.get(rank, 0) + 1
-    dealt: dict[int, int] = {}
+    dealt = [0] * (max(whole.values(), default=0) + 1)  # elements dealt to each rank so far
+
+    def key(rank: int, counts: dict[int, int], numel: int) -> int:
+        return dealt[rank] - (counts[rank] * numel if ahead else 0)
+
+    # per kind, its ranks by key; a key only grows, so an entry that is out of date is pushed again
+    heaps = {kind: [(key(r, counts, kind[2]), r) for r in counts] for kind, counts in left.items()}
+    for heap in heaps.values():
+        heapq.heapify(heap)
     for part in atomic:  # in layout order
-        counts = left[_kind(part)]
-        rank = min(counts, key=lambda r: (dealt.get(r, 0), r))
+        kind = _kind(part)
+        counts, heap = left[kind], heaps[kind]
+        while True:
+            stale, rank = heap[0]
+            now = key(rank, counts, part.numel)
+            if now == stale:
+                break
+            heapq.heapreplace(heap, (now, rank))
         whole[part.bucket, part.offset] = rank
-        dealt[rank] = dealt.get(rank, 0) + part.numel
+        dealt[rank] += part.numel
         counts[rank] -= 1
-        if not counts[rank]:
-            del counts[rank]
+        if counts[rank]:
+            heapq.heapreplace(heap, (key(rank, counts, part.numel), rank))
+        else:
+            heapq.heappop(heap)
 
 
 def _kind(part: _Part) -> tuple[float, float, int, int]:
