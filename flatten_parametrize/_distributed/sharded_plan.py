@@ -322,13 +322,12 @@ def _cut_in_units(
         if not fits:
             rest += run
             continue
-        shares = [0] * world
+        unit = _Run(world, None)
         for b in range(first, stop):
-            for rank, count in fixed[b].items():
-                shares[rank] += count
-        numel = sum(bucket.numel for bucket in buckets[first:stop])
-        cap = int((numel + max(target * numel, world - 1)) // world)  # the largest share it may give
-        _cut(run, _capped_quotas(run, shares, state, cap), lambda p: 1.0, give)
+            unit.add(buckets[b], fixed[b], 0)
+        room = max(target * unit.numel, world - 1)
+        cap = int((unit.numel + room) // world)  # the largest share the unit may give
+        _cut(run, _capped_quotas(run, unit.shares, state, cap), lambda p: 1.0, give)
     _fill(rest, state, lambda p: p.state / p.numel, give)
     return [(first, stop) for first, stop, _ in laid]
 
