@@ -107,17 +107,16 @@ class Reducer:
             self._ready.add(self._ownership.shards[index].g)
             self._launch(final=False)
 
-    def _units(self) -> Sequence[Sequence[Shard]]:
-        """Return what is reduced together, in order: ZeRO-2's units, ZeRO-1's flat gradients one by one."""
-        if self._shard_gradients:
-            return self._ownership.units
-        return [[shard] for shard in self._ownership.shards]
-
     def _launch(self, final: bool) -> None:
-        """Start the reductions next in storage order that are ready (every one if ``final``)."""
-        units = self._units()
-        while self._next < len(units):
-            unit = units[self._next]
+        """Start the reductions next in storage order that are ready (every one if ``final``).
+
+        ZeRO-2 reduces unit by unit; ZeRO-1 (an all-reduce each) one flat gradient at a time.
+        """
+        shards = self._ownership.shards
+        units = self._ownership.units if self._shard_gradients else None
+        count = len(shards) if units is None else len(units)
+        while self._next < count:
+            unit = [shards[self._next]] if units is None else units[self._next]
             if not (final or all(shard.g in self._ready for shard in unit)):
                 return
             if self._shard_gradients:
