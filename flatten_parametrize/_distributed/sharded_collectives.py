@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .shard import Shard
+from .sharded_plan import pads_little
 
 __all__ = ["Collectives", "UnitWorks", "Works", "all_gather", "one_buffer", "reduce_scatter", "unit_chunk"]
 
@@ -68,7 +69,7 @@ def one_buffer(chunk: int, numel: int, world: int) -> bool:
         >>> one_buffer(3, 10, 4)  # equal slices of a small bucket
         True
     """
-    return chunk * world - numel <= max(MAX_PADDING * numel, world - 1)
+    return pads_little(chunk, numel, world, MAX_PADDING)
 
 
 def unit_chunk(unit: Sequence[Shard], world: int) -> int:
@@ -117,12 +118,14 @@ class Collectives:
 
     def one_buffer_for(self, unit: Sequence[Shard]) -> bool:
         """Return whether a unit of several shards moves in one padded buffer (else: each on its own)."""
-        return (
-            len(unit) > 1
-            and not self.by_owner
-            and len({(s.dtype, s.device) for s in unit}) == 1
-            and one_buffer(unit_chunk(unit, self.world), sum(s.numel for s in unit), self.world)
-        )
+        return self._slot(unit) is not None
+
+    def _slot(self, unit: Sequence[Shard]) -> int | None:
+        """Return a rank's slot in a unit's one padded buffer (``None``: its shards move on their own)."""
+        if len(unit) < 2 or self.by_owner or len({(s.dtype, s.device) for s in unit}) > 1:
+            return None
+        chunk = unit_chunk(unit, self.world)
+        return chunk if one_buffer(chunk, sum(s.numel for s in unit), self.world) else None
 
     def device(self, flats: Sequence[Tensor]) -> torch.device:
         """Return the device for small collectives (the backend's: CUDA for NCCL)."""
@@ -169,7 +172,8 @@ class Collectives:
             ]
             return works, lambda: shard.pack(grad)
         out = grad.new_empty(shard.chunk)
-        return [reduce_scatter(out, self._spread([shard], [grad]), group=pg, async_op=True)], lambda: out
+        sent = self._spread([shard], [grad], shard.chunk)
+        return [reduce_scatter(out, sent, group=pg, async_op=True)], lambda: out
 
     def reduce_unit(self, unit: Sequence[Shard], grads: Sequence[Tensor]) -> UnitWorks:
         """Start summing each owner's ranges of a unit's gradients on that owner (ZeRO-2).
@@ -177,12 +181,13 @@ class Collectives:
         Returns:
             The handles, what gives this rank's summed ranges of each shard, and the buffer they read.
         """
-        if not self.one_buffer_for(unit) or len({g.dtype for g in grads}) > 1:
+        chunk = self._slot(unit)
+        if chunk is None or len({g.dtype for g in grads}) > 1:
             started = [self.reduce_to_owners(shard, grad) for shard, grad in zip(unit, grads)]
             works = [work for handles, _ in started for work in handles]
             return works, lambda: [result() for _, result in started], list(grads)
-        sent = self._spread(unit, grads)
-        out = sent.new_empty(sent.numel() // self.world)
+        sent = self._spread(unit, grads, chunk)
+        out = sent.new_empty(chunk)
         work = reduce_scatter(out, sent, group=self.group, async_op=True)
 
         def result() -> list[Tensor]:
@@ -194,13 +199,13 @@ class Collectives:
 
         return [work], result, [sent]
 
-    def _spread(self, unit: Sequence[Shard], values: Sequence[Tensor]) -> Tensor:
+    def _spread(self, unit: Sequence[Shard], values: Sequence[Tensor], chunk: int) -> Tensor:
         """Return the ``values`` of a unit's shards in one buffer, a slot per rank, each owner's ranges first.
 
-        A slot holds the most any rank owns of the unit (:func:`unit_chunk`); ZeRO's equal slices of one
-        shard are already in place (padded at the end, if at all).
+        A slot holds ``chunk``, the most any rank owns of the unit (:func:`unit_chunk`); ZeRO's equal
+        slices of one shard are already in place (padded at the end, if at all).
         """
-        world, chunk = self.world, unit_chunk(unit, self.world)
+        world = self.world
         if len(unit) == 1 and unit[0].aligned:  # each owner's range is already at its slot: pad the end
             (value,) = values
             if value.numel() == chunk * world:
@@ -239,7 +244,7 @@ class Collectives:
         if shard.aligned and full.numel() == chunk * world and full.is_contiguous():
             lo = shard.rank * chunk
             return [([all_gather(full, full[lo : lo + chunk], group=pg, async_op=True)], None)]
-        return self._gather_packed([shard], [full])
+        return self._gather_packed([shard], [full], chunk)
 
     def gather_unit(self, unit: Sequence[Shard], fulls: Sequence[Tensor]) -> list[Any]:
         """Start filling every owner's ranges of a unit's ``fulls`` (as :meth:`gather_ranges`, one buffer).
@@ -247,13 +252,14 @@ class Collectives:
         Returns:
             The handles, and the copies to run after them (see :meth:`finish`).
         """
-        if not self.one_buffer_for(unit):
+        chunk = self._slot(unit)
+        if chunk is None:
             return [part for shard, full in zip(unit, fulls) for part in self.gather_ranges(shard, full)]
-        return self._gather_packed(unit, fulls)
+        return self._gather_packed(unit, fulls, chunk)
 
-    def _gather_packed(self, unit: Sequence[Shard], fulls: Sequence[Tensor]) -> list[Any]:
-        """Start one ``all_gather`` of each rank's ranges of the unit's ``fulls``, packed in its slot."""
-        world, chunk = self.world, unit_chunk(unit, self.world)
+    def _gather_packed(self, unit: Sequence[Shard], fulls: Sequence[Tensor], chunk: int) -> list[Any]:
+        """Start one ``all_gather`` of each rank's ranges of a unit's ``fulls``, in slots of ``chunk``."""
+        world = self.world
         mine = torch.cat([shard.pack(full) for shard, full in zip(unit, fulls)])
         if mine.numel() < chunk:
             mine = torch.cat([mine, mine.new_zeros(chunk - mine.numel())])

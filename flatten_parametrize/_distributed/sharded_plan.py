@@ -58,6 +58,7 @@ __all__ = [
     "Bucket",
     "BucketTensor",
     "Plan",
+    "pads_little",
     "plan_ownership",
     "whole_bound",
 ]
@@ -249,6 +250,18 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, ahea
     return Plan(ranges, cost, state, grads, bound, units)
 
 
+def pads_little(chunk: float, numel: int, world: int, max_padding: float) -> bool:
+    """Return whether ``world`` slots of ``chunk`` pad ``numel`` elements by at most ``max_padding`` of them.
+
+    Or by less than one element per rank (ZeRO's equal slices of a small buffer).
+
+    Example:
+        >>> pads_little(25, 100, 4, 0.05), pads_little(100, 100, 4, 0.05), pads_little(3, 10, 4, 0.05)
+        (True, False, True)
+    """
+    return world * chunk - numel <= max(max_padding * numel, world - 1)
+
+
 def _as_balanced(plan: Plan, other: Plan, every_unit: bool) -> bool:
     """Return whether ``plan``'s most loaded rank's cost and state stay as balanced as ``other``'s allow.
 
@@ -278,7 +291,7 @@ def _moved_by_owner(plan: Plan, buckets: Sequence[Bucket], max_padding: float) -
     world, left = len(plan.cost), 0
     for first, stop in plan.units:
         numel = sum(bucket.numel for bucket in buckets[first:stop])
-        if world * max(_unit_shares(plan, first, stop)) - numel > max(max_padding * numel, world - 1):
+        if not pads_little(max(_unit_shares(plan, first, stop)), numel, world, max_padding):
             left += numel
     return left
 
@@ -358,11 +371,10 @@ class _Run:
     def fits(self, max_padding: float) -> bool:
         """Return whether the run pads at most ``max_padding``: its shares and spare elements levelled."""
         world = len(self.shares)
-        room = max(max_padding * self.numel, world - 1)
-        if world * self.top - self.numel > room:
+        if not pads_little(self.top, self.numel, world, max_padding):
             return False
         level = _level(self.shares, self.spare) if self.spare else 0.0
-        return world * max(self.top, level) - self.numel <= room
+        return pads_little(max(self.top, level), self.numel, world, max_padding)
 
 
 def _units(
