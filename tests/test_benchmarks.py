@@ -301,6 +301,24 @@ def test_zero_scale_moves_buckets_of_one_matrix_in_units_and_shows_the_bound_whe
     assert verdicts({**row, "padding": 0.5})["padding"] is False
 
 
+def test_zero_scale_shows_the_padding_bound_of_units_within_the_budget() -> None:
+    """Eight buckets of one matrix on 8 ranks: one unit of all would pad nothing, but it holds 8 rank
+    shares; within the budget (4) each matrix pads its unit at least 8 x 64 / 256 - 1 = 100%."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import torch
+
+        from benchmarks.bench_zero_scale import simulate, verdicts
+        from flatten_parametrize._distributed.sharded_strategies import buckets_of
+    finally:
+        sys.path.remove(str(ROOT))
+    eight = buckets_of([(64, 4, [(b, 0, 64, (8, 8))]) for b in range(8)], [[torch.optim.Muon]] * 8)
+    row = simulate(eight, 8)
+    assert row["padding_bound"] == 0.0 and row["padding_budget_bound"] == 1.0
+    assert row["padding"] > 0.05 and verdicts(row)["padding"] is None
+    assert simulate(eight, 4)["padding_budget_bound"] == 0.0  # 4 x 64 / 512 - 1 < 0: no bound
+
+
 def test_zero_benchmark_times_the_collectives_that_move_slices(tmp_path: Path) -> None:
     """`bench_zero.py --collectives 2 --quick` prints one row per way of gathering and reducing slices."""
     done = _run(["benchmarks/bench_zero.py", "--quick", "--collectives", "2"], tmp_path)

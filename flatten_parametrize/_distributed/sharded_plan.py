@@ -27,17 +27,20 @@ The rule:
 Laid out for one-buffer collectives (``max_padding``, NCCL's path): a bucket of
 one matrix would pad its buffer ``W`` times, so the buckets move in **units**,
 runs of consecutive buckets that share one ``reduce_scatter`` and one
-``all_gather`` (each rank's share of a unit packed into one slot). Rule 1's
-owners of equal tensors are dealt in layout order, each to the rank with the
-fewest elements so far (instead of side by side; two ways, :func:`_interleaved`,
-the layout with fewer elements by owner and smaller units is kept), a unit closes at the first
-bucket where its ranks' shares are even to within ``max_padding`` (a bucket
-that starts none joins the unit before it where that still evens out), and
-rule 2's cut levels the state unit by unit, no rank's share of a unit above
-what ``max_padding`` allows. A unit holds at most :data:`UNIT_BUDGET` rank
-shares (with ZeRO-2 its full gradients wait for its last bucket). The layout
-is kept only where it balances the state and cost about as well as the layout
-by owner (:func:`_as_balanced`); else that one is returned.
+``all_gather`` (each rank's share of a unit packed into one slot). Three deals
+are tried (:data:`_DEALS`), and the layout with the fewest elements by owner,
+then the smallest largest unit, is kept. Two re-deal rule 1's owners of equal
+tensors in layout order, each to the rank with the fewest elements so far
+(instead of side by side; :func:`_interleaved`), and a unit closes at the first
+bucket where its ranks' shares are even to within ``max_padding`` (a bucket that
+starts none joins the unit before it where that still evens out). The third
+replaces rule 1: units first, each packed into one even slot per rank
+(``sharded_packing.py``). In all three, rule 2's cut levels the state unit by
+unit, no rank's share of a unit above what ``max_padding`` allows. A unit holds
+at most :data:`UNIT_BUDGET` rank shares (with ZeRO-2 its full gradients wait for
+its last bucket). The layout is kept only where it balances the state and cost
+about as well as the layout by owner (:func:`_as_balanced`); else that one is
+returned.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ import bisect
 import copy
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 from .sharded_costs import state_numel, step_cost
+from .sharded_packing import Tensor, deal_in_units
 from .sharded_rules import cuttable
 
 __all__ = [
@@ -78,6 +82,12 @@ _MARGIN = 0.9
 #: gives them by this fraction (or, where every unit moves in one buffer, the mean by :data:`BALANCE`);
 #: past it, the layout by owner is taken.
 _LEEWAY = 0.01
+
+#: How whole tensors are dealt for units: over the model, then again in layout order to the rank with the
+#: fewest elements so far, or counting what each rank still has to take (:func:`_interleaved`); or unit by
+#: unit (``sharded_packing``).
+_Deal = Literal["least", "ahead", "units"]
+_DEALS: tuple[_Deal, ...] = ("ahead", "least", "units")
 
 #: The balance every layout keeps where it can: the most loaded rank within this fraction of the mean.
 BALANCE = 0.05
@@ -170,13 +180,13 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
         >>> plan_ownership([Bucket(64, 4, one), Bucket(64, 4, one)], 2, max_padding=0.05).units
         [(0, 2)]
     """
-    by_owner = _plan(buckets, world, None, ahead=False)
+    by_owner = _plan(buckets, world, None, "least")
     assert by_owner is not None  # the layout by owner always exists
     if max_padding is None:
         return by_owner
     laid = []
-    for ahead in (True, False):  # two deals of equal tensors (see _interleaved): the better layout is kept
-        plan = _plan(buckets, world, max_padding, ahead)
+    for deal in _DEALS:  # the better layout is kept
+        plan = _plan(buckets, world, max_padding, deal)
         if plan is not None:
             left = _moved_by_owner(plan, buckets, max_padding)
             if _as_balanced(plan, by_owner, every_unit=not left):
@@ -184,10 +194,10 @@ def plan_ownership(buckets: Sequence[Bucket], world: int, max_padding: float | N
     return min(laid, key=lambda entry: entry[:2])[2] if laid else by_owner
 
 
-def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, ahead: bool) -> Plan | None:
+def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, deal: _Deal) -> Plan | None:
     """Return the plan by owner (``max_padding`` ``None``) or laid out in units (``None``: no unit fits).
 
-    ``ahead``: how equal tensors are dealt for units (:func:`_interleaved`).
+    ``deal``: how whole tensors are dealt for units (:data:`_DEALS`).
     """
     parts = [
         _part(b, bucket.itemsize, m) for b, bucket in enumerate(buckets) for m in bucket.members if m.numel
@@ -203,20 +213,34 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, ahea
         grads[rank] += (stop - start) * part.itemsize
         owned.append((part, start, stop, rank))
 
-    # 1. whole tensors: largest cost first, to the least loaded rank
-    heap = [(0.0, 0.0, r) for r in range(world)]
+    # 1. whole tensors: largest cost first, to the least loaded rank (or unit by unit: sharded_packing)
     whole: dict[tuple[int, int], int] = {}
     atomic = [p for p in parts if p.atomic]
-    for part in sorted(atomic, key=lambda p: (-p.cost, -p.state, p.bucket, p.offset)):
-        _, _, rank = heapq.heappop(heap)
-        give(part, part.offset, part.offset + part.numel, rank)
-        whole[part.bucket, part.offset] = rank
-        heapq.heappush(heap, (cost[rank], state[rank], rank))
-    if max_padding is None:
-        _side_by_side(atomic, whole)
+    laid_out: list[tuple[int, int]] | None = None
+    if max_padding is not None and deal == "units":
+        tensors = [Tensor(p.bucket, p.numel, p.cost, p.state) for p in atomic]
+        budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
+        kinds = [bucket.kind for bucket in buckets]
+        sizes = [bucket.numel for bucket in buckets]
+        owners, packed = deal_in_units(tensors, sizes, kinds, world, _MARGIN * max_padding, budget)
+        if not any(fits for _, _, fits in packed):
+            return None
+        laid_out = [(first, stop) for first, stop, _ in packed]
+        for part, rank in zip(atomic, owners):
+            give(part, part.offset, part.offset + part.numel, rank)
+            whole[part.bucket, part.offset] = rank
     else:
-        _interleaved(atomic, whole, ahead)
-    owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
+        heap = [(0.0, 0.0, r) for r in range(world)]
+        for part in sorted(atomic, key=lambda p: (-p.cost, -p.state, p.bucket, p.offset)):
+            _, _, rank = heapq.heappop(heap)
+            give(part, part.offset, part.offset + part.numel, rank)
+            whole[part.bucket, part.offset] = rank
+            heapq.heappush(heap, (cost[rank], state[rank], rank))
+        if max_padding is None:
+            _side_by_side(atomic, whole)
+        else:
+            _interleaved(atomic, whole, ahead=deal == "ahead")
+        owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
     # 2. element-wise runs: small ones to a neighbour's owner, the others cut to level the loads
     mean = sum(p.state for p in parts) / world
     offsets: dict[int, list[int]] = {}
@@ -234,7 +258,7 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, ahea
         _fill(large, state, lambda p: p.state / p.numel, give)
         units = [(b, b + 1) for b in range(len(buckets))]
     else:
-        laid = _cut_in_units(buckets, owned, large, state, max_padding, give)
+        laid = _cut_in_units(buckets, owned, large, state, max_padding, give, laid_out)
         if laid is None:
             return None  # nothing evens out
         units = laid
@@ -311,10 +335,12 @@ def _cut_in_units(
     state: Sequence[float],
     max_padding: float,
     give: Callable[[_Part, int, int, int], None],
+    spans: Sequence[tuple[int, int]] | None = None,
 ) -> list[tuple[int, int]] | None:
     """Lay the buckets out in units and cut the large element-wise runs for them; return the units.
 
-    Each unit that evens out cuts its runs to level the state, no rank's share of the unit above what
+    ``spans``: the units, already laid out (else :func:`_units` lays them out). Each unit that evens
+    out cuts its runs to level the state, no rank's share of the unit above what
     ``max_padding`` allows; the runs of the units that do not (they move by owner) are cut together to
     level the state, as without units. ``None`` (nothing cut): no bucket or run of buckets evens out.
     """
@@ -326,7 +352,16 @@ def _cut_in_units(
     for part in large:
         flexible.setdefault(part.bucket, []).append(part)
     target = _MARGIN * max_padding  # the cut's rounding and the gaps between members stay under it
-    laid = _units(buckets, fixed, flexible, target, world)
+    if spans is None:
+        laid = _units(buckets, fixed, flexible, target, world)
+    else:
+        spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
+        laid = []
+        for first, stop in spans:
+            sums = _Run(world, None)
+            for b in range(first, stop):
+                sums.add(buckets[b], fixed[b], spare_of[b])
+            laid.append((first, stop, sums.fits(target)))
     if not any(fits for _, _, fits in laid):
         return None
     rest: list[_Part] = []

@@ -419,6 +419,7 @@ FEATURES = {
         "_distributed.sharded_rules",
         "_distributed.sharded_strategies",
         "_distributed.sharded_plan",
+        "_distributed.sharded_packing",
         "_distributed.sharded_costs",
         "_distributed.shard",
     },
