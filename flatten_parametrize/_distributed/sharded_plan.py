@@ -213,12 +213,39 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, deal
         grads[rank] += (stop - start) * part.itemsize
         owned.append((part, start, stop, rank))
 
+    atomic = [p for p in parts if p.atomic]
+    # Rule 2's small element-wise runs go whole with a neighbouring whole tensor: decided first, so that
+    # a deal unit by unit packs each whole tensor with the runs that go with it.
+    mean = sum(p.state for p in parts) / world
+    offsets: dict[int, list[int]] = {}
+    for part in atomic:
+        offsets.setdefault(part.bucket, []).append(part.offset)
+    attached: list[tuple[list[_Part], tuple[int, int]]] = []  # (run, the whole tensor it goes with)
+    large: list[_Part] = []
+    for run in _runs(parts):
+        neighbour = _neighbour(run, offsets)
+        if neighbour is not None and sum(p.state for p in run) < SMALL_RUN * mean:
+            attached.append((run, neighbour))
+        else:
+            large += run
     # 1. whole tensors: largest cost first, to the least loaded rank (or unit by unit: sharded_packing)
     whole: dict[tuple[int, int], int] = {}
-    atomic = [p for p in parts if p.atomic]
     laid_out: list[tuple[int, int]] | None = None
     if max_padding is not None and deal == "units":
-        tensors = [Tensor(p.bucket, p.numel, p.cost, p.state) for p in atomic]
+        along: dict[tuple[int, int], list[_Part]] = {}
+        for run, neighbour in attached:
+            along.setdefault(neighbour, []).extend(run)
+        tensors = []
+        for p in atomic:
+            extra = along.get((p.bucket, p.offset), [])
+            tensors.append(
+                Tensor(
+                    p.bucket,
+                    p.numel + sum(q.numel for q in extra),
+                    p.cost + sum(q.cost for q in extra),
+                    p.state + sum(q.state for q in extra),
+                )
+            )
         budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
         kinds = [bucket.kind for bucket in buckets]
         sizes = [bucket.numel for bucket in buckets]
@@ -241,19 +268,10 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, deal
         else:
             _interleaved(atomic, whole, ahead=deal == "ahead")
         owned = [(p, a, b, whole[p.bucket, p.offset]) for p, a, b, _ in owned]
-    # 2. element-wise runs: small ones to a neighbour's owner, the others cut to level the loads
-    mean = sum(p.state for p in parts) / world
-    offsets: dict[int, list[int]] = {}
-    for part in atomic:
-        offsets.setdefault(part.bucket, []).append(part.offset)
-    large: list[_Part] = []
-    for run in _runs(parts):
-        neighbour = _neighbour(run, offsets, whole)
-        if neighbour is not None and sum(p.state for p in run) < SMALL_RUN * mean:
-            for part in run:
-                give(part, part.offset, part.offset + part.numel, neighbour)
-        else:
-            large += run
+    # 2. element-wise runs: small ones with their neighbour, the others cut to level the loads
+    for run, neighbour in attached:
+        for part in run:
+            give(part, part.offset, part.offset + part.numel, whole[neighbour])
     if max_padding is None:
         _fill(large, state, lambda p: p.state / p.numel, give)
         units = [(b, b + 1) for b in range(len(buckets))]
@@ -655,16 +673,14 @@ def _runs(parts: Sequence[_Part]) -> list[list[_Part]]:
     return runs
 
 
-def _neighbour(
-    run: Sequence[_Part], offsets: dict[int, list[int]], whole: dict[tuple[int, int], int]
-) -> int | None:
-    """Return the owner of the whole tensor before ``run`` in its bucket (else after it), or ``None``."""
+def _neighbour(run: Sequence[_Part], offsets: dict[int, list[int]]) -> tuple[int, int] | None:
+    """Return the whole tensor before ``run`` in its bucket, else after it: ``(bucket, offset)``, or None."""
     bucket = run[0].bucket
     atomic = offsets.get(bucket, [])
     at = bisect.bisect_left(atomic, run[0].offset)
     if at > 0:
-        return whole[bucket, atomic[at - 1]]
-    return whole[bucket, atomic[at]] if at < len(atomic) else None
+        return bucket, atomic[at - 1]
+    return (bucket, atomic[at]) if at < len(atomic) else None
 
 
 def _fill(

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flatten_parametrize._distributed import sharded_plan
 from flatten_parametrize._distributed.sharded_packing import Tensor, deal_in_units
 from flatten_parametrize._distributed.sharded_plan import (
     BALANCE,
@@ -122,3 +123,18 @@ def test_gpt2_shaped_layers_move_in_one_buffer_each_unit_within_the_budget_and_b
         assert stop - first == 1 or numel <= UNIT_BUDGET * total / world
     for loads in (plan.cost, plan.state):
         assert max(loads) <= (1 + BALANCE) * sum(loads) / world
+
+
+def test_the_deal_unit_by_unit_packs_each_matrix_with_the_small_vectors_that_go_with_it():
+    """A layer's biases and norms go whole with the matrix before them: packed with it, every unit evens.
+
+    Packed as the matrices alone, 2 ranks' slots of each layer would be even before the vectors and
+    uneven after (every layer moved by owner).
+    """
+    buckets = _gpt2_like()
+    plan = sharded_plan._plan(buckets, 2, MAX_PADDING, "units")
+    assert plan is not None
+    for first, stop in plan.units:
+        numel = sum(bucket.numel for bucket in buckets[first:stop])
+        shares = [sum(hi - lo for b in range(first, stop) for lo, hi in plan.ranges[b][r]) for r in range(2)]
+        assert pads_little(max(shares), numel, 2, MAX_PADDING)
