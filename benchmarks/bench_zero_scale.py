@@ -18,7 +18,7 @@ AdamW on the rest (embeddings, heads, norms, biases).
 The plan is the one NCCL's one-buffer collectives get (``plan_ownership(..., max_padding=0.05)``): its
 **units** are runs of buckets that move as one ``reduce_scatter`` / ``all_gather`` (each rank's share of
 a unit in one slot), laid out so that a unit's shares are even; a unit holds at most ``UNIT_BUDGET`` (4)
-times a rank's mean share (with ZeRO-2 its full gradients wait for its last bucket), and the layout is
+times a rank's mean share (with ZeRO-2 its padded buffer waits for its last bucket), and the layout is
 taken only where it keeps the state and cost as balanced as the layout by owner (within 1%, or 5% of
 the mean). Per model and world size ``W``, the columns:
 
@@ -33,7 +33,7 @@ the mean). Per model and world size ``W``, the columns:
   printed): ``W * max(largest tensor, n / W) - n`` summed over today's buckets;
 * ``by owner``: the share of the elements in units that pad more than 5% (they move each owner's
   ranges on their own: no padding, more collectives); ``unit``: the largest unit of several buckets,
-  over a rank's mean share (what ZeRO-2 holds in full before it reduces);
+  over a rank's mean share (what ZeRO-2 holds, padded, before it reduces);
 * ``bytes``: bytes moved per step over element-wise ZeRO-2's (as ``sharded_collectives.py``);
 * ``collectives``: per step, ours and element-wise ZeRO-2's.
 
@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "of 4 shares and its bucket, less 1, per element]; the library takes it "
         "only for units it pads by at most 5%, the others (by owner: their share of the elements) move "
         "each owner's ranges on their own. unit: the largest unit of several buckets over a rank's mean "
-        "share (with ZeRO-2 its full gradients wait for its last bucket; at most 4). bytes: moved per step "
+        "share (with ZeRO-2 its padded buffer waits for its last bucket; at most 4). bytes: moved per step "
         "over element-wise ZeRO-2's. collectives: per step, ours (element-wise ZeRO-2's). targets: met, "
         "NOT met, or bound (no ownership of whole tensors, or for padding no layout of the buckets, or "
         "none in units of at most 4 rank shares, reaches the target; the bound is shown).",

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .shard import Shard
 from .sharded_plan import pads_little
+from .sharded_staging import UnitBuffer
 
 __all__ = ["Collectives", "UnitWorks", "Works", "all_gather", "one_buffer", "reduce_scatter", "unit_chunk"]
 
@@ -172,7 +173,7 @@ class Collectives:
             ]
             return works, lambda: shard.pack(grad)
         out = grad.new_empty(shard.chunk)
-        sent = self._spread([shard], [grad], shard.chunk)
+        sent = self._spread(shard, grad)
         return [reduce_scatter(out, sent, group=pg, async_op=True)], lambda: out
 
     def reduce_unit(self, unit: Sequence[Shard], grads: Sequence[Tensor]) -> UnitWorks:
@@ -181,13 +182,24 @@ class Collectives:
         Returns:
             The handles, what gives this rank's summed ranges of each shard, and the buffer they read.
         """
-        chunk = self._slot(unit)
-        if chunk is None or len({g.dtype for g in grads}) > 1:
+        staged = None if len({g.dtype for g in grads}) > 1 else self.unit_buffer(unit, grads[0].dtype)
+        if staged is None:
             started = [self.reduce_to_owners(shard, grad) for shard, grad in zip(unit, grads)]
             works = [work for handles, _ in started for work in handles]
             return works, lambda: [result() for _, result in started], list(grads)
-        sent = self._spread(unit, grads, chunk)
-        out = sent.new_empty(chunk)
+        for position, grad in enumerate(grads):
+            staged.put(position, grad)
+        return self.reduce_staged(unit, staged)
+
+    def unit_buffer(self, unit: Sequence[Shard], dtype: torch.dtype) -> UnitBuffer | None:
+        """Return an empty padded buffer for a unit's gradients (``None``: its shards move on their own)."""
+        chunk = self._slot(unit)
+        return None if chunk is None else UnitBuffer(unit, chunk, self.world, dtype, unit[0].device)
+
+    def reduce_staged(self, unit: Sequence[Shard], staged: UnitBuffer) -> UnitWorks:
+        """Start one ``reduce_scatter`` of a unit's filled buffer (see :meth:`reduce_unit`)."""
+        sent = staged.buffer
+        out = sent.new_empty(staged.chunk)
         work = reduce_scatter(out, sent, group=self.group, async_op=True)
 
         def result() -> list[Tensor]:
@@ -199,28 +211,17 @@ class Collectives:
 
         return [work], result, [sent]
 
-    def _spread(self, unit: Sequence[Shard], values: Sequence[Tensor], chunk: int) -> Tensor:
-        """Return the ``values`` of a unit's shards in one buffer, a slot per rank, each owner's ranges first.
+    def _spread(self, shard: Shard, grad: Tensor) -> Tensor:
+        """Return ``grad`` in one buffer, a slot of ``shard.chunk`` per rank, each owner's ranges first.
 
-        A slot holds ``chunk``, the most any rank owns of the unit (:func:`unit_chunk`); ZeRO's equal
-        slices of one shard are already in place (padded at the end, if at all).
+        ZeRO's equal slices of one shard are already in place (padded at the end, if at all).
         """
-        world = self.world
-        if len(unit) == 1 and unit[0].aligned:  # each owner's range is already at its slot: pad the end
-            (value,) = values
-            if value.numel() == chunk * world:
-                return value
-            return torch.cat([value, value.new_zeros(chunk * world - value.numel())])
-        pieces: list[Tensor] = []
-        for owner in range(world):
-            taken = 0
-            for shard, value in zip(unit, values):
-                for lo, hi in shard.ranges[owner]:
-                    pieces.append(value[lo:hi])
-                    taken += hi - lo
-            if chunk > taken:
-                pieces.append(values[0].new_zeros(chunk - taken))
-        return torch.cat(pieces)
+        size = shard.chunk * self.world
+        if shard.aligned:  # each owner's range is already at its slot: pad the end
+            return grad if grad.numel() == size else torch.cat([grad, grad.new_zeros(size - grad.numel())])
+        staged = UnitBuffer([shard], shard.chunk, self.world, grad.dtype, grad.device)
+        staged.put(0, grad)
+        return staged.buffer
 
     def gather_ranges(self, shard: Shard, full: Tensor) -> list[Any]:
         """Start filling every owner's ranges of ``full`` (shaped like the flat buffer) from that owner.

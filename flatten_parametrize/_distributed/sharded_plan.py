@@ -37,7 +37,7 @@ starts none joins the unit before it where that still evens out). The third
 replaces rule 1: units first, each packed into one even slot per rank
 (``sharded_packing.py``). In all three, rule 2's cut levels the state unit by
 unit, no rank's share of a unit above what ``max_padding`` allows. A unit holds
-at most :data:`UNIT_BUDGET` rank shares (with ZeRO-2 its full gradients wait for
+at most :data:`UNIT_BUDGET` rank shares (with ZeRO-2 its padded buffer waits for
 its last bucket). The layout is kept only where it balances the state and cost
 about as well as the layout by owner (:func:`_as_balanced`); else that one is
 returned.
@@ -72,7 +72,7 @@ __all__ = [
 SMALL_RUN = 0.01
 
 #: Laid out for one-buffer collectives, a unit of several buckets holds at most this many times a
-#: rank's mean share of the elements (with ZeRO-2 its full gradients wait for its last bucket).
+#: rank's mean share of the elements (with ZeRO-2 its padded buffer waits for its last bucket).
 UNIT_BUDGET = 4
 
 #: Units are laid out for this fraction of the padding allowed (the rest covers rounding and gaps).

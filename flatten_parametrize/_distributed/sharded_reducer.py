@@ -7,8 +7,9 @@ reducer starts the reductions in the storage's group order on every rank
 and an autograd-engine callback finishes every reduction when backward ends.
 With ``shard_gradients=True`` (ZeRO-2) only this rank's averaged slice is
 kept and the full flat gradient is freed (one full gradient in flight at a
-time; the flat gradients of a unit that moves in one buffer,
-``Partition.units``, wait for the unit's last one); with ``False`` (ZeRO-1)
+time; a unit that moves in one buffer, ``Partition.units``, waits for its last
+bucket, each finished gradient copied into the unit's padded buffer and freed
+at once, ``sharded_staging.py``); with ``False`` (ZeRO-1)
 the whole flat gradient is averaged and the slice's gradient is a view of it.
 The module's parameters that no group holds (a new head, say) are averaged
 too when backward ends, as DDP averages every parameter (``outside_params.py``).
@@ -28,6 +29,7 @@ from .outside_params import OutsideParams, reduce_once
 from .shard import Shard
 from .sharded_feature import live_core
 from .sharded_grads import ShownGrads
+from .sharded_staging import UnitBuffer
 
 if TYPE_CHECKING:
     from .._core.grad.owner import GroupGrad
@@ -78,6 +80,8 @@ class Reducer:
         #: ZeRO-2's placeholders (``None``: ZeRO-1).
         self._shown = grads if isinstance(grads, ShownGrads) else None
         self._shard_gradients = self._shown is not None
+        #: ZeRO-2: each shard's unit and place in it, for the units of the time (see :meth:`_stage`).
+        self._unit_of: tuple[Sequence[Sequence[Shard]] | None, dict[int, tuple[int, int]]] = (None, {})
         #: The module's parameters outside every group, averaged when backward ends.
         self.outside = OutsideParams(self, core)
         self._begin(None)
@@ -90,6 +94,8 @@ class Reducer:
         self._next = 0
         #: The reductions started and not finished yet, in start order.
         self.pending: list[Pending] = []
+        #: ZeRO-2: the padded buffers of the units not started yet, by unit (``None``: no one buffer).
+        self._staged: dict[int, UnitBuffer | None] = {}
 
     def grad_ready(self, flat: Tensor | None) -> None:
         """Hook body: ``flat``'s gradient is final for this backward (``None``: an outside parameter's)."""
@@ -104,8 +110,44 @@ class Reducer:
             self._begin(task)
             queue_callback(self._backward_end)
         if index is not None:
-            self._ready.add(self._ownership.shards[index].g)
+            shard = self._ownership.shards[index]
+            self._ready.add(shard.g)
+            if self._shown is not None:
+                self._stage(shard)
             self._launch(final=False)
+
+    def _stage(self, shard: Shard) -> None:
+        """ZeRO-2: copy ``shard``'s finished gradient into its unit's padded buffer and free it."""
+        units = self._ownership.units
+        if self._unit_of[0] is not units:
+            self._unit_of = (units, {s.g: (k, i) for k, unit in enumerate(units) for i, s in enumerate(unit)})
+        k, position = self._unit_of[1][shard.g]
+        if len(units[k]) < 2 or k < self._next:
+            return
+        if k not in self._staged:
+            self._staged[k] = self._unit_buffer(units[k])
+        staged = self._staged[k]
+        if staged is not None and position not in staged.filled:
+            staged.put(position, self._taken(shard))
+
+    def _unit_buffer(self, unit: Sequence[Shard]) -> UnitBuffer | None:
+        """Return an empty padded buffer for ``unit`` (``None``: it moves shard by shard)."""
+        groups = live_core(self._core_ref).groups()
+        dtypes = {groups[s.g].grads.reduce_dtype or s.dtype for s in unit}
+        return self._comm.unit_buffer(unit, dtypes.pop()) if len(dtypes) == 1 else None
+
+    def _taken(self, shard: Shard) -> Tensor:
+        """ZeRO-2: return ``shard``'s flat gradient to reduce; free the group's (this rank keeps its part).
+
+        What was cleared of the gradient this rank keeps is dropped first (the new gradient adds to what
+        is left: micro-batches accumulate).
+        """
+        grads = live_core(self._core_ref).groups()[shard.g].grads
+        grad = self._flat_grad(grads, shard.flat)[0]
+        assert self._shown is not None
+        self._shown.settle(shard, closing=True)
+        grads.release(shard.flat)
+        return grad
 
     def _launch(self, final: bool) -> None:
         """Start the reductions next in storage order that are ready (every one if ``final``).
@@ -121,30 +163,28 @@ class Reducer:
                 return
             if self._shard_gradients:
                 self.finish()  # one full gradient (one unit's) in flight at a time
-            self.pending.append(self.start(unit))
+            self.pending.append(self.start(unit, self._staged.pop(self._next, None)))
             self._next += 1
 
-    def start(self, unit: Sequence[Shard]) -> Pending:
+    def start(self, unit: Sequence[Shard], staged: UnitBuffer | None = None) -> Pending:
         """Start reducing the flat gradients of ``unit``'s shards (zeros where this rank has none).
 
-        With ZeRO-2, what was cleared of the gradient this rank keeps is dropped first (the new
-        gradient adds to what is left: micro-batches accumulate).
+        ``staged``: ZeRO-2's padded buffer of the unit, filled so far (the rest is put now).
         """
-        groups = live_core(self._core_ref).groups()
         if self._shown is None:  # ZeRO-1: one flat gradient, averaged whole
             (shard,) = unit
-            grads = groups[shard.g].grads
+            grads = live_core(self._core_ref).groups()[shard.g].grads
             grad, full = self._flat_grad(grads, shard.flat)
             grads.assign(shard.flat, full)
             works, result = self._comm.all_reduce_mean(grad)
             return Pending(unit, works, lambda: [result()], full, [grad])
-        sent = []
-        for shard in unit:
-            grads = groups[shard.g].grads
-            sent.append(self._flat_grad(grads, shard.flat)[0])
-            self._shown.settle(shard, closing=True)
-            grads.release(shard.flat)  # this rank keeps its ranges only
-        handles, parts, kept = self._comm.reduce_unit(unit, sent)
+        if staged is not None:
+            for position, shard in enumerate(unit):
+                if position not in staged.filled:
+                    staged.put(position, self._taken(shard))
+            handles, parts, kept = self._comm.reduce_staged(unit, staged)
+        else:
+            handles, parts, kept = self._comm.reduce_unit(unit, [self._taken(shard) for shard in unit])
         return Pending(unit, handles, parts, None, kept)
 
     def _flat_grad(self, grads: GroupGrad, flat: Tensor) -> tuple[Tensor, Tensor]:

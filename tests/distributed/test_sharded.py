@@ -227,8 +227,8 @@ def _scenario_buckets_and_memory(rank: int, world: int) -> dict[str, Any]:
         in_flight: list[int] = []
         start = opt._reducer.start
 
-        def counting_start(unit, start=start, storage=storage, opt=opt, in_flight=in_flight):
-            started = start(unit)
+        def counting_start(unit, *staged, start=start, storage=storage, opt=opt, in_flight=in_flight):
+            started = start(unit, *staged)
             # full flat gradients alive once this bucket's reduction started
             alive = {id(f.grad) for f in storage.flat_params if type(f.grad) is torch.Tensor}
             pending = (*opt._reducer.pending, started)

@@ -34,12 +34,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from flatten_parametrize import ShardedOptimizer, register_flat_storage
+from flatten_parametrize import ShardedOptimizer, get_flat_storage, register_flat_storage
 from flatten_parametrize._distributed import sharded_collectives, sharded_plan
 from flatten_parametrize._distributed.sharded_plan import plan_ownership
 from flatten_parametrize._distributed.sharded_strategies import buckets_of
 
-from _helpers import launch_gloo, launch_results, one_buffer_collectives, save_result
+from _helpers import core_of, launch_gloo, launch_results, one_buffer_collectives, save_result
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +224,7 @@ def _worker(
         model, opt = _built(kind)
         reduce_scatters.clear()
         all_gathers.clear()
+        held = _held_after_each_gradient(opt, get_flat_storage(model))
         _train(model, opt, rank, range(2))
         shards = opt._ownership.shards
         units = opt._ownership.units
@@ -248,6 +249,7 @@ def _worker(
                     for unit in units
                 ],
                 "calls": (len(reduce_scatters), len(all_gathers)),
+                "held": held,
             },
         )
         _dcp(model, opt, outdir / f"dcp_{kind}", load=False)
@@ -257,6 +259,20 @@ def _worker(
             _train(model, opt, rank, range(resume_step, resume_step + 1))
             save_result(outdir, rank, f"{kind}.resumed", {"weights": _weights(model)})
             _dcp(model, opt, outdir / f"dcp_{kind}.resumed", load=False)
+
+
+def _held_after_each_gradient(opt: Any, storage: Any) -> list[int]:
+    """Record, each time backward finishes a flat gradient, how many full flat gradients this rank holds."""
+    groups = core_of(storage).groups
+    ready = opt._reducer.grad_ready
+    held: list[int] = []
+
+    def counted(flat: Any) -> None:
+        ready(flat)
+        held.append(sum(group.grads.read(group.flat) is not None for group in groups()))
+
+    opt._reducer.grad_ready = counted
+    return held
 
 
 def _count_calls(module: Any, name: str) -> list[int]:
@@ -360,6 +376,8 @@ def test_laid_out_for_one_buffer_every_bucket_moves_in_one_buffer(launch, kind):
         reduce_scatters, all_gathers = result["calls"]
         assert all_gathers == 2 * len(sizes)
         assert reduce_scatters == (2 * len(sizes) if zero2 else 0)
+        if zero2:  # a unit waiting for its last bucket holds its padded buffer, no full gradient
+            assert result["held"] and max(result["held"]) == 0, result["held"]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

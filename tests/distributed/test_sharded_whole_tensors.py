@@ -118,9 +118,9 @@ def _sharded(rank: int, world: int, scenario: _Scenario) -> dict[str, Any]:
             p.register_post_accumulate_grad_hook(lambda p: landed.append(1))
     start = opt._reducer.start
 
-    def counting_start(shard: Any) -> Any:
+    def counting_start(unit: Any, *staged: Any) -> Any:
         started.append(len(landed))
-        return start(shard)
+        return start(unit, *staged)
 
     opt._reducer.start = counting_start
     for step in range(STEPS):

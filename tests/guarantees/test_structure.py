@@ -420,6 +420,7 @@ FEATURES = {
         "_distributed.sharded_strategies",
         "_distributed.sharded_plan",
         "_distributed.sharded_packing",
+        "_distributed.sharded_staging",
         "_distributed.sharded_costs",
         "_distributed.shard",
     },
