@@ -136,9 +136,8 @@ def _scan(
 ) -> tuple[list[list[int]] | None, int]:
     """Return the bins of the unit that starts at ``first`` and where it stops (``None``: it packs nowhere).
 
-    The unit holds at least the buckets up to ``past`` (included).
-
-    A pack is tried only where no tensor is above the unit's largest allowed bin.
+    The unit holds at least the buckets up to ``past`` (included); a pack is tried only where no
+    tensor is above the unit's largest allowed bin.
     """
     members: list[int] = []
     numel, largest = 0, 0

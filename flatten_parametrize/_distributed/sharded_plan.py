@@ -232,27 +232,10 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, deal
     whole: dict[tuple[int, int], int] = {}
     laid_out: list[tuple[int, int]] | None = None
     if max_padding is not None and deal == "units":
-        along: dict[tuple[int, int], list[_Part]] = {}
-        for run, neighbour in attached:
-            along.setdefault(neighbour, []).extend(run)
-        tensors = []
-        for p in atomic:
-            extra = along.get((p.bucket, p.offset), [])
-            tensors.append(
-                Tensor(
-                    p.bucket,
-                    p.numel + sum(q.numel for q in extra),
-                    p.cost + sum(q.cost for q in extra),
-                    p.state + sum(q.state for q in extra),
-                )
-            )
-        budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
-        kinds = [bucket.kind for bucket in buckets]
-        sizes = [bucket.numel for bucket in buckets]
-        owners, packed = deal_in_units(tensors, sizes, kinds, world, _MARGIN * max_padding, budget)
-        if not any(fits for _, _, fits in packed):
-            return None
-        laid_out = [(first, stop) for first, stop, _ in packed]
+        dealt = _unit_by_unit(buckets, atomic, attached, world, max_padding)
+        if dealt is None:
+            return None  # no unit packs
+        owners, laid_out = dealt
         for part, rank in zip(atomic, owners):
             give(part, part.offset, part.offset + part.numel, rank)
             whole[part.bucket, part.offset] = rank
@@ -290,6 +273,41 @@ def _plan(buckets: Sequence[Bucket], world: int, max_padding: float | None, deal
         max(sum(grads) / world, whole_bound([float(p.numel * p.itemsize) for p in atomic], world)),
     )
     return Plan(ranges, cost, state, grads, bound, units)
+
+
+def _unit_by_unit(
+    buckets: Sequence[Bucket],
+    atomic: Sequence[_Part],
+    attached: Sequence[tuple[list[_Part], tuple[int, int]]],
+    world: int,
+    max_padding: float,
+) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """Deal the whole tensors unit by unit (``sharded_packing``); return their ranks and the units.
+
+    Each whole tensor is packed with the small element-wise runs ``attached`` to it (they go to its
+    owner). ``None``: no unit packs.
+    """
+    along: dict[tuple[int, int], list[_Part]] = {}
+    for run, neighbour in attached:
+        along.setdefault(neighbour, []).extend(run)
+    tensors = []
+    for part in atomic:
+        with_it = [part, *along.get((part.bucket, part.offset), [])]
+        tensors.append(
+            Tensor(
+                part.bucket,
+                sum(p.numel for p in with_it),
+                sum(p.cost for p in with_it),
+                sum(p.state for p in with_it),
+            )
+        )
+    budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
+    kinds = [bucket.kind for bucket in buckets]
+    sizes = [bucket.numel for bucket in buckets]
+    owners, packed = deal_in_units(tensors, sizes, kinds, world, _MARGIN * max_padding, budget)
+    if not any(fits for _, _, fits in packed):
+        return None
+    return owners, [(first, stop) for first, stop, _ in packed]
 
 
 def pads_little(chunk: float, numel: int, world: int, max_padding: float) -> bool:
