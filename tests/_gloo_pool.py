@@ -162,6 +162,9 @@ def run_ranks(
     ``deadline_s`` in all, the ranks still running are killed. Any failure retires the pool.
     """
     pool = None if fresh else _POOLS.pop(world, None)
+    if pool is not None and not all(rank.process.is_alive() for rank in pool.ranks):
+        pool.close(kill=True)  # a kept rank died since the last launch (a send to it may still succeed)
+        pool = None
     if pool is not None and pool.environment != _environment():
         pool.close()
         pool = None
@@ -183,7 +186,7 @@ def run_ranks(
             rank = waiting[conn]
             try:
                 rank.done = bool(conn.recv())
-            except EOFError:  # the process died
+            except (EOFError, ConnectionResetError):  # the process died (a reset: with a job unread)
                 rank.process.join(5)
                 rank.done = False
             if not rank.done and failed_at is None:
