@@ -115,6 +115,26 @@ def core_of(storage: Any) -> Any:
     return core_behind(storage, "core_of")
 
 
+def plan_buckets(layout: list[list[tuple[int, ...]]], kinds: list[Any] | None = None) -> list[Any]:
+    """Return ``sharded_plan.Bucket``s of the shapes in ``layout``, one list a bucket, float32.
+
+    A 2-D shape is a matrix stepped whole by torch's ``Muon``; a 1-D one a vector cut by ``AdamW``.
+    ``kinds``: each bucket's kind (what buckets share to move in one buffer).
+    """
+    from flatten_parametrize._distributed.sharded_plan import Bucket, BucketTensor
+
+    out = []
+    for b, shapes in enumerate(layout):
+        tensors, at = [], 0
+        for shape in shapes:
+            numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
+            cls = torch.optim.Muon if len(shape) == 2 else torch.optim.AdamW
+            tensors.append(BucketTensor(at, numel, shape, cls))
+            at += numel
+        out.append(Bucket(at, 4, tensors, None if kinds is None else kinds[b]))
+    return out
+
+
 def mlp(depth: int = 3, width: int = 5, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []

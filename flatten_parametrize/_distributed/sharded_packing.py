@@ -69,7 +69,7 @@ def deal_in_units(
     of_bucket: list[list[int]] = [[] for _ in sizes]
     for i, tensor in enumerate(tensors):
         of_bucket[tensor.bucket].append(i)
-    units = _units(tensors, of_bucket, sizes, kinds, world, max_padding, budget)
+    units = _units(_Layout(tensors, of_bucket, sizes, kinds, world, max_padding, budget))
     owner = [-1] * len(tensors)
     cost, state = [0.0] * world, [0.0] * world
     for _, _, bins in units:
@@ -93,23 +93,28 @@ def deal_in_units(
     return owner, [(first, stop, bins is not None) for first, stop, bins in units]
 
 
-def _units(
-    tensors: Sequence[Tensor],
-    of_bucket: Sequence[Sequence[int]],
-    sizes: Sequence[int],
-    kinds: Sequence[Hashable],
-    world: int,
-    max_padding: float,
-    budget: float,
-) -> list[tuple[int, int, list[list[int]] | None]]:
+class _Layout(NamedTuple):
+    """What the units are laid out over (see :func:`deal_in_units`'s arguments)."""
+
+    tensors: Sequence[Tensor]
+    #: Each bucket's tensors (indices into ``tensors``).
+    of_bucket: Sequence[Sequence[int]]
+    sizes: Sequence[int]
+    kinds: Sequence[Hashable]
+    world: int
+    max_padding: float
+    budget: float
+
+
+def _units(layout: _Layout) -> list[tuple[int, int, list[list[int]] | None]]:
     """Return the units, each with its bins of tensor indices (``None``: a bucket that moves by owner)."""
     units: list[tuple[int, int, list[list[int]] | None]] = []
     first = 0
-    while first < len(sizes):
-        bins, stop = _scan(tensors, of_bucket, sizes, kinds, world, max_padding, budget, first, first)
+    while first < len(layout.sizes):
+        bins, stop = _scan(layout, first, first)
         if bins is None and units and units[-1][2] is not None:  # join the unit before, grown on from it
             start = units[-1][0]
-            bins, stop = _scan(tensors, of_bucket, sizes, kinds, world, max_padding, budget, start, first)
+            bins, stop = _scan(layout, start, first)
             if bins is not None:
                 units[-1] = (start, stop, bins)
                 first = stop
@@ -123,33 +128,24 @@ def _units(
     return units
 
 
-def _scan(
-    tensors: Sequence[Tensor],
-    of_bucket: Sequence[Sequence[int]],
-    sizes: Sequence[int],
-    kinds: Sequence[Hashable],
-    world: int,
-    max_padding: float,
-    budget: float,
-    first: int,
-    past: int,
-) -> tuple[list[list[int]] | None, int]:
+def _scan(layout: _Layout, first: int, past: int) -> tuple[list[list[int]] | None, int]:
     """Return the bins of the unit that starts at ``first`` and where it stops (``None``: it packs nowhere).
 
     The unit holds at least the buckets up to ``past`` (included); a pack is tried only where no
     tensor is above the unit's largest allowed bin.
     """
+    tensors, sizes, kinds, world = layout.tensors, layout.sizes, layout.kinds, layout.world
     members: list[int] = []
     numel, largest = 0, 0
     for b in range(first, len(sizes)):
-        if b > first and (kinds[b] != kinds[first] or numel + sizes[b] > budget):
+        if b > first and (kinds[b] != kinds[first] or numel + sizes[b] > layout.budget):
             return None, b
-        members += of_bucket[b]
+        members += layout.of_bucket[b]
         numel += sizes[b]
-        largest = max([largest] + [tensors[i].numel for i in of_bucket[b]])
-        if b < past or largest > (1 + max_padding) * numel / world:
+        largest = max([largest] + [tensors[i].numel for i in layout.of_bucket[b]])
+        if b < past or largest > (1 + layout.max_padding) * numel / world:
             continue
-        bins = _pack(tensors, members, numel, world, max_padding)
+        bins = _pack(tensors, members, numel, world, layout.max_padding)
         if bins is not None:
             return bins, b + 1
     return None, len(sizes)

@@ -11,7 +11,6 @@ and on a GPT-2-shaped model on 8 ranks, whose layers the deals over the whole mo
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,10 +20,11 @@ from flatten_parametrize._distributed.sharded_plan import (
     BALANCE,
     UNIT_BUDGET,
     Bucket,
-    BucketTensor,
     pads_little,
     plan_ownership,
 )
+
+from _helpers import plan_buckets
 
 MAX_PADDING = 0.05
 
@@ -97,16 +97,7 @@ def test_buckets_of_another_kind_never_share_a_unit():
 def _gpt2_like(layers: int = 12) -> list[Bucket]:
     """One bucket a layer of GPT-2's shapes / 96 (fused qkv, out, fc, proj and their vectors), then wte."""
     layer = [(8, 24), (24,), (8, 8), (8,), (8, 32), (32,), (32, 8), (8,), (8,), (8,), (8,), (8,)]
-    buckets = []
-    for shapes in [layer] * layers + [[(4200,)]]:
-        members, at = [], 0
-        for shape in shapes:
-            numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
-            cls = torch.optim.Muon if len(shape) == 2 else torch.optim.AdamW
-            members.append(BucketTensor(at, numel, shape, cls))
-            at += numel
-        buckets.append(Bucket(at, 4, members))
-    return buckets
+    return plan_buckets([layer] * layers + [[(4200,)]])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from flatten_parametrize._distributed.sharded_plan import (
     BALANCE,
     UNIT_BUDGET,
-    Bucket,
-    BucketTensor,
     plan_ownership,
 )
+
+from _helpers import plan_buckets
 
 MAX_PADDING = 0.05
 
@@ -34,19 +34,6 @@ members = st.one_of(
 layouts = st.lists(st.lists(members, min_size=1, max_size=4), min_size=1, max_size=10)
 
 
-def _buckets(layout: list[list[tuple[int, ...]]], kinds: list[Any] | None = None) -> list[Bucket]:
-    out = []
-    for b, shapes in enumerate(layout):
-        tensors, at = [], 0
-        for shape in shapes:
-            numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
-            cls = torch.optim.Muon if len(shape) == 2 else torch.optim.AdamW
-            tensors.append(BucketTensor(at, numel, shape, cls))
-            at += numel
-        out.append(Bucket(at, 4, tensors, None if kinds is None else kinds[b]))
-    return out
-
-
 def _shares(plan: Any, first: int, stop: int, world: int) -> list[int]:
     return [sum(hi - lo for b in range(first, stop) for lo, hi in plan.ranges[b][r]) for r in range(world)]
 
@@ -54,7 +41,7 @@ def _shares(plan: Any, first: int, stop: int, world: int) -> list[int]:
 @settings(max_examples=150, deadline=None)
 @given(layouts, st.integers(2, 5))
 def test_units_tile_the_buckets_in_order_and_every_element_has_one_owner(layout, world):
-    buckets = _buckets(layout)
+    buckets = plan_buckets(layout)
     plan = plan_ownership(buckets, world, MAX_PADDING)
     assert [first for first, _ in plan.units] == [0] + [stop for _, stop in plan.units[:-1]]
     assert plan.units[-1][1] == len(buckets)
@@ -69,7 +56,7 @@ def test_units_tile_the_buckets_in_order_and_every_element_has_one_owner(layout,
 def test_a_unit_of_several_buckets_pads_one_buffer_at_most_the_limit_and_holds_at_most_the_budget(
     layout, world
 ):
-    buckets = _buckets(layout)
+    buckets = plan_buckets(layout)
     plan = plan_ownership(buckets, world, MAX_PADDING)
     total = sum(bucket.numel for bucket in buckets)
     for first, stop in plan.units:
@@ -83,7 +70,7 @@ def test_a_unit_of_several_buckets_pads_one_buffer_at_most_the_limit_and_holds_a
 @settings(max_examples=150, deadline=None)
 @given(layouts, st.integers(2, 5))
 def test_the_layout_for_one_buffer_keeps_the_balance_of_the_layout_by_owner(layout, world):
-    buckets = _buckets(layout)
+    buckets = plan_buckets(layout)
     units = plan_ownership(buckets, world, MAX_PADDING)
     by_owner = plan_ownership(buckets, world)
     for mine, theirs in ((units.cost, by_owner.cost), (units.state, by_owner.state)):
@@ -93,7 +80,7 @@ def test_the_layout_for_one_buffer_keeps_the_balance_of_the_layout_by_owner(layo
 
 def test_one_matrix_per_bucket_moves_in_units_of_one_matrix_per_rank():
     """Eight equal matrices, each its own bucket, on four ranks: two units, each rank one matrix of each."""
-    buckets = _buckets([[(8, 8)]] * 8)
+    buckets = plan_buckets([[(8, 8)]] * 8)
     plan = plan_ownership(buckets, 4, MAX_PADDING)
     assert plan.units == [(0, 4), (4, 8)]
     for first, stop in plan.units:
@@ -105,20 +92,20 @@ def test_one_matrix_per_bucket_moves_in_units_of_one_matrix_per_rank():
 
 def test_buckets_of_another_dtype_never_share_a_unit():
     kinds = [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
-    plan = plan_ownership(_buckets([[(8, 8)]] * 4, kinds), 2, MAX_PADDING)
+    plan = plan_ownership(plan_buckets([[(8, 8)]] * 4, kinds), 2, MAX_PADDING)
     assert plan.units == [(0, 2), (2, 4)]
 
 
 def test_where_nothing_evens_out_the_layout_is_the_one_by_owner():
     """Matrices too few for the ranks: no run of buckets pads little, so nothing changes."""
-    buckets = _buckets([[(8, 8)], [(4, 4)]])
+    buckets = plan_buckets([[(8, 8)], [(4, 4)]])
     assert plan_ownership(buckets, 4, MAX_PADDING) == plan_ownership(buckets, 4)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_unit_evens_out_with_the_vectors_it_holds(world):
     """A matrix and a vector per bucket, two buckets per rank: each unit's shares are even."""
-    buckets = _buckets([[(6, 6), (30,)]] * (2 * world))
+    buckets = plan_buckets([[(6, 6), (30,)]] * (2 * world))
     plan = plan_ownership(buckets, world, MAX_PADDING)
     several = [(a, b) for a, b in plan.units if b - a > 1]
     assert several
