@@ -388,16 +388,18 @@ def _cut_in_units(
     for part in large:
         flexible.setdefault(part.bucket, []).append(part)
     target = _MARGIN * max_padding  # the cut's rounding and the gaps between members stay under it
+    spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
+
+    def sums(first: int, stop: int) -> _Run:
+        run = _Run(world, None)
+        for b in range(first, stop):
+            run.add(buckets[b], fixed[b], spare_of[b])
+        return run
+
     if spans is None:
-        laid = _units(buckets, fixed, flexible, target, world)
+        laid = _units(buckets, fixed, spare_of, target, world)
     else:
-        spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
-        laid = []
-        for first, stop in spans:
-            sums = _Run(world, None)
-            for b in range(first, stop):
-                sums.add(buckets[b], fixed[b], spare_of[b])
-            laid.append((first, stop, sums.fits(target)))
+        laid = [(first, stop, sums(first, stop).fits(target)) for first, stop in spans]
     if not any(fits for _, _, fits in laid):
         return None
     rest: list[_Part] = []
@@ -406,9 +408,7 @@ def _cut_in_units(
         if not fits:
             rest += run
             continue
-        unit = _Run(world, None)
-        for b in range(first, stop):
-            unit.add(buckets[b], fixed[b], 0)
+        unit = sums(first, stop)  # its shares before the cut (the spare elements are what is cut)
         room = max(target * unit.numel, world - 1)
         cap = int((unit.numel + room) // world)  # the largest share the unit may give
         _cut(run, _capped_quotas(run, unit.shares, state, cap), lambda p: 1.0, give)
@@ -451,21 +451,20 @@ class _Run:
 def _units(
     buckets: Sequence[Bucket],
     fixed: Sequence[dict[int, int]],
-    flexible: dict[int, list[_Part]],
+    spare_of: Sequence[int],
     max_padding: float,
     world: int,
 ) -> list[tuple[int, int, bool]]:
     """Return runs of consecutive buckets, each closed at the first bucket where it pads little enough.
 
     Little enough: ``world`` slots of its largest share less its elements, at most ``max_padding`` of
-    it; the shares are the ``fixed`` elements (per bucket and rank) plus the ``flexible`` parts'
-    elements (by bucket: the large element-wise runs) cut to one level. A unit holds buckets of one
+    it; the shares are the ``fixed`` elements (per bucket and rank) plus the ``spare_of`` elements (per
+    bucket: its large element-wise runs) cut to one level. A unit holds buckets of one
     kind, and at most :data:`UNIT_BUDGET` times a rank's mean share of the elements. A bucket that
     starts no such unit joins the unit before it where that still fits (at the end: the units before
     it, as many as the budget allows), else it moves on its own (``False``: a unit that does not fit).
     """
     budget = UNIT_BUDGET * sum(bucket.numel for bucket in buckets) / world
-    spare_of = [sum(p.numel for p in flexible.get(b, ())) for b in range(len(buckets))]
     units: list[tuple[int, int, bool]] = []
     runs: list[_Run | None] = []  # what each unit adds up to (``None``: it does not fit)
 
